@@ -1,0 +1,82 @@
+"""`AttentionSite`: the contract between detection (passes/), kernels (kernels/) and reports.
+
+Detection describes each naive ``softmax(Q·Kᵀ·scale + mask)·V`` it finds as one
+`AttentionSite`; kernels decide from it whether they can take the site, and cost models
+price it. It is plain data so that it serializes to the versioned JSON report as is.
+
+Canonical terms (what kernels take), whatever layout the program used:
+  q: [B, Lq, Hq, D]    k: [B, Lk, Hkv, D]    v: [B, Lk, Hkv, Dv]    out: [B, Lq, Hq, Dv]
+Hq is a multiple of Hkv (Hq == Hkv: multi-head; Hkv == 1: MQA; otherwise GQA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import numpy as np
+
+MaskKind = Literal["none", "causal", "additive", "boolean"]
+MASK_KINDS: tuple[str, ...] = ("none", "causal", "additive", "boolean")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSite:
+    """One naive attention in a program, in canonical [B, L, H, D] terms."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: str  # dtype of q/k/v as the program holds them, e.g. "float32", "bfloat16"
+    scale: float | None  # multiplier of the scores (q/√d → 1/√d); None when unscaled
+    mask: MaskKind = "none"
+    # Shape of the mask/bias operand as broadcast against the [.., Lq, Lk] scores, in the
+    # program's own layout; None when there is no operand (e.g. an iota-built causal mask).
+    mask_shape: tuple[int, ...] | None = None
+    # The program's own operand shapes and the layout they map from ("BLHD", "BHLD", "LHD", ...).
+    q_shape: tuple[int, ...] = ()
+    k_shape: tuple[int, ...] = ()
+    v_shape: tuple[int, ...] = ()
+    layout: str = "BLHD"
+    # Dtype the softmax is computed in (an f32 upcast inside a bf16 model shows here).
+    softmax_dtype: str | None = None
+    function: str = ""  # captured function the site lives in
+    source: str = ""  # "path:line" in the user's code
+
+    def __post_init__(self) -> None:
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"mask must be one of {MASK_KINDS}, got {self.mask!r}")
+        if self.num_kv_heads <= 0 or self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"query heads ({self.num_q_heads}) must be a multiple of key/value heads "
+                f"({self.num_kv_heads})"
+            )
+
+    @property
+    def causal(self) -> bool:
+        return self.mask == "causal"
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def score_bytes(self) -> int:
+        """Bytes of one [B, Hq, Lq, Lk] score matrix the naive program materializes."""
+        dtype = self.softmax_dtype or self.dtype
+        return (
+            self.batch * self.num_q_heads * self.q_len * self.kv_len * np.dtype(dtype).itemsize
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The site as the versioned report's JSON object."""
+        out = dataclasses.asdict(self)
+        for key in ("q_shape", "k_shape", "v_shape", "mask_shape"):
+            if out[key] is not None:
+                out[key] = list(out[key])
+        out["score_bytes"] = self.score_bytes
+        return out

@@ -1,0 +1,1 @@
+"""Attention kernels behind one interface (installed as hlotool.kernels)."""

@@ -1,0 +1,1 @@
+"""Passes over captured programs: detection, rewrite, diff (installed as hlotool.passes)."""
