@@ -1,0 +1,423 @@
+"""Capture every function jax compiles while a script or a function runs.
+
+In jax 0.10 every jit compilation — `jit(f)(x)`, `jit(f).lower(x)`, the jits flax, haiku
+or equinox create internally — lowers through one call:
+``jax._src.interpreters.pxla.lower_sharding_computation(closed_jaxpr, api_name, fun_name, ...)``.
+`_compile_hook` patches that one private attribute for the duration of a capture; it is the
+only place hlotool touches jax internals, and importing this module checks that the
+attribute still exists with the parameters the hook relies on.
+
+Each capture keeps the function's `ClosedJaxpr`; every later stage (StableHLO, HLO with
+source locations, optimized HLO per target) is regenerated from it by jitting
+`jax.extend.core.jaxpr_as_fun(closed_jaxpr)` on `ShapeDtypeStruct`s of the same avals.
+The jaxpr's equations carry the user's tracebacks, so the regenerated HLO's stack-frame
+tables still point at the user's source lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import functools
+import inspect
+import os
+import runpy
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
+from jax._src.interpreters import pxla
+
+from hlotool.errors import HlotoolError
+try:
+    from hlotool.hlo import parse_module
+except ImportError:  # TEMPORARY: until hlotool.hlo's parser is committed
+    parse_module = None
+from hlotool.targets import Target, get_target
+
+STAGES: tuple[str, ...] = ("jaxpr", "stablehlo", "hlo", "optimized")
+
+# Functions whose source lives inside jax itself are eager dispatch (`jnp.ones(...)`,
+# `x + 1` outside jit), not the user's programs.
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+
+_HOOK_PARAMS = ("closed_jaxpr", "api_name", "fun_name")
+
+
+class ScriptError(HlotoolError):
+    """The user's script could not be run to completion."""
+
+
+class NothingCapturedError(HlotoolError):
+    """The script or function ran but jax compiled none of the user's functions."""
+
+
+def _check_hook() -> Callable[..., Any]:
+    """The private function `_compile_hook` wraps, after checking it still looks as expected."""
+    where = f"{pxla.__name__}.lower_sharding_computation"
+    target = getattr(pxla, "lower_sharding_computation", None)
+    if target is None:
+        raise HlotoolError(
+            f"jax {jax.__version__} has no {where}; hlotool's capture supports jax 0.10.2"
+        )
+    params = tuple(inspect.signature(target).parameters)[: len(_HOOK_PARAMS)]
+    if params != _HOOK_PARAMS:
+        raise HlotoolError(
+            f"jax {jax.__version__}: {where} takes {params}, expected {_HOOK_PARAMS} first; "
+            "hlotool's capture supports jax 0.10.2"
+        )
+    return target
+
+
+_LOWER = _check_hook()
+
+
+@dataclasses.dataclass(eq=False)
+class CapturedFunction:
+    """One function jax compiled, with its program at every stage.
+
+    `closed_jaxpr` is the program as jax traced it; `in_avals` its flat argument
+    shapes/dtypes (pytrees such as parameter dicts appear flattened, in jax's order).
+    Stage texts are computed on first use and cached per target.
+    """
+
+    index: int  # 1-based, in order of first compilation
+    name: str  # the jitted function's name, e.g. "train_step"
+    closed_jaxpr: ClosedJaxpr
+    in_avals: tuple[jax.core.ShapedArray, ...]
+    arg_names: tuple[str, ...] | None  # jax's names for the flat args, when it kept them
+    source: str | None  # "train_step at /path/model.py:42"
+    lower_seconds: float  # jax's tracing-to-StableHLO lowering of the original compile
+    compile_seconds: float | None  # XLA compile of the original; None if never compiled
+    _lowered: dict[str, jax.stages.Lowered] = dataclasses.field(default_factory=dict, repr=False)
+    _compiled: dict[str, jax.stages.Compiled] = dataclasses.field(
+        default_factory=dict, repr=False
+    )
+
+    @property
+    def file_stem(self) -> str:
+        """Deterministic, findable file stem, e.g. ``003_jit_train_step``."""
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.name).strip("_.")
+        return f"{self.index:03d}_jit_{safe or 'fn'}"
+
+    def args_summary(self) -> list[str]:
+        """Each flat argument as jax writes it: ``f32[2,64,32]``, ``i32[]``."""
+        return [a.str_short(short_dtypes=True) for a in self.in_avals]
+
+    @functools.cached_property
+    def jaxpr_text(self) -> str:
+        return str(self.closed_jaxpr)
+
+    @functools.cached_property
+    def stablehlo(self) -> str:
+        """StableHLO (MLIR text) as lowered for the host CPU."""
+        return self.lowered("cpu").as_text()
+
+    def hlo(self, debug_info: bool = True, target: str | Target = "cpu") -> str:
+        """Pre-optimization HLO text; with `debug_info`, `metadata=` and stack-frame tables
+        that map each instruction to the user's source line."""
+        return self.lowered(target).as_text(dialect="hlo", debug_info=debug_info)
+
+    def optimized(self, target: str | Target = "cpu") -> str:
+        """HLO text after XLA's optimization passes for `target`."""
+        return self.compiled(target).as_text()
+
+    def lowered(self, target: str | Target = "cpu") -> jax.stages.Lowered:
+        """The function re-lowered for `target` (deviceless for TPU targets)."""
+        t = get_target(target)
+        if t.name not in self._lowered:
+            sharding = t.sharding()
+            args = [
+                jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=sharding)
+                for a in self.in_avals
+            ]
+            jitted = (
+                jax.jit(self._as_fun())
+                if sharding is None
+                else jax.jit(self._as_fun(), in_shardings=sharding, out_shardings=sharding)
+            )
+            try:
+                self._lowered[t.name] = jitted.trace(*args).lower()
+            except Exception as e:
+                raise HlotoolError(
+                    f"cannot lower {self.name} for {t.name}: {_first_line(e)}"
+                ) from e
+        return self._lowered[t.name]
+
+    def compiled(self, target: str | Target = "cpu") -> jax.stages.Compiled:
+        """The function compiled by XLA for `target`."""
+        t = get_target(target)
+        if t.name not in self._compiled:
+            lowered = self.lowered(t)
+            try:
+                self._compiled[t.name] = lowered.compile()
+            except Exception as e:
+                raise HlotoolError(
+                    f"cannot compile {self.name} for {t.name}: {_first_line(e)}"
+                ) from e
+        return self._compiled[t.name]
+
+    def stage_text(self, stage: str, target: str | Target = "cpu") -> str:
+        """The program at `stage` (one of `STAGES`), for `target` where that matters."""
+        if stage == "jaxpr":
+            return self.jaxpr_text
+        if stage == "stablehlo":
+            return self.lowered(target).as_text()
+        if stage == "hlo":
+            return self.hlo(debug_info=True, target=target)
+        if stage == "optimized":
+            return self.optimized(target)
+        raise HlotoolError(f"unknown stage {stage!r}; valid stages: {', '.join(STAGES)}")
+
+    def stage_filename(self, stage: str, target: str | Target = "cpu") -> str:
+        """File name `dump` writes `stage` to, e.g. ``003_jit_train_step.cpu.hlo.txt``."""
+        if stage == "jaxpr":
+            return f"{self.file_stem}.jaxpr.txt"
+        t = get_target(target).name
+        suffix = {"stablehlo": "stablehlo.mlir", "hlo": "hlo.txt", "optimized": "optimized.hlo.txt"}
+        if stage not in suffix:
+            raise HlotoolError(f"unknown stage {stage!r}; valid stages: {', '.join(STAGES)}")
+        return f"{self.file_stem}.{t}.{suffix[stage]}"
+
+    def instruction_counts(self, target: str | Target = "cpu") -> dict[str, int]:
+        """Size of the program at each stage: jaxpr equations (nested ones included),
+        StableHLO ops, pre- and post-optimization HLO instructions."""
+        return {
+            "jaxpr": _count_eqns(self.closed_jaxpr.jaxpr),
+            "stablehlo": _count_mlir_ops(self.lowered(target)),
+            "hlo": _count_hlo(self.hlo(debug_info=False, target=target)),
+            "optimized": _count_hlo(self.optimized(target)),
+        }
+
+    def _as_fun(self) -> Callable[..., Any]:
+        closed = self.closed_jaxpr
+
+        def fun(*args: Any) -> list[Any]:
+            return jaxpr_as_fun(closed)(*args)
+
+        # jax names the HLO module and op_name paths after the function.
+        fun.__name__ = fun.__qualname__ = self.name
+        return fun
+
+
+@dataclasses.dataclass
+class _Record:
+    name: str
+    closed_jaxpr: ClosedJaxpr
+    lower_seconds: float
+    compile_seconds: float | None = None
+
+
+@contextlib.contextmanager
+def _compile_hook() -> Iterator[list[_Record]]:
+    """Record every jit lowering (and the XLA compile that follows) while active."""
+    records: list[_Record] = []
+
+    def hook(closed_jaxpr: ClosedJaxpr, api_name: str, fun_name: str, *args, **kwargs):
+        start = time.perf_counter()
+        computation = _LOWER(closed_jaxpr, api_name, fun_name, *args, **kwargs)
+        record = _Record(fun_name, closed_jaxpr, time.perf_counter() - start)
+        records.append(record)
+        compile_fn = computation.compile
+
+        def timed_compile(*c_args, **c_kwargs):
+            start = time.perf_counter()
+            out = compile_fn(*c_args, **c_kwargs)
+            record.compile_seconds = time.perf_counter() - start
+            return out
+
+        computation.compile = timed_compile
+        return computation
+
+    # Functions compiled before the capture would be served from jax's caches unseen.
+    jax.clear_caches()
+    pxla.lower_sharding_computation = hook
+    try:
+        yield records
+    finally:
+        pxla.lower_sharding_computation = _LOWER
+
+
+def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
+    """The user's functions among `records`, identical recompiles merged, in first-seen order."""
+    out: list[CapturedFunction] = []
+    seen: set[tuple[str, str]] = set()
+    for r in records:
+        info = r.closed_jaxpr.jaxpr.debug_info
+        source = getattr(info, "func_src_info", None)
+        if source and _source_path(source).startswith(_JAX_DIR):
+            continue
+        key = (r.name, str(r.closed_jaxpr))
+        if key in seen:
+            continue
+        seen.add(key)
+        names = getattr(info, "arg_names", None)
+        out.append(
+            CapturedFunction(
+                index=len(out) + 1,
+                name=r.name,
+                closed_jaxpr=r.closed_jaxpr,
+                in_avals=tuple(r.closed_jaxpr.in_avals),
+                arg_names=tuple(names) if names is not None else None,
+                source=source,
+                lower_seconds=r.lower_seconds,
+                compile_seconds=r.compile_seconds,
+            )
+        )
+    return out
+
+
+def capture_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[CapturedFunction]:
+    """Call ``fn(*args, **kwargs)`` and return every function jax compiled meanwhile.
+
+    `fn` is typically jitted itself; a plain function captures the jits it calls.
+    """
+    with _compile_hook() as records:
+        fn(*args, **kwargs)
+    captured = _to_captured(records)
+    if not captured:
+        raise NothingCapturedError(
+            f"{getattr(fn, '__name__', fn)!s} compiled no jax functions; wrap it in jax.jit"
+        )
+    return captured
+
+
+def capture_script(path: str | os.PathLike[str], argv: Sequence[str] = ()) -> list[CapturedFunction]:
+    """Run the script at `path` as ``__main__`` with ``sys.argv = [path, *argv]`` and return
+    every function jax compiled while it ran.
+
+    The script runs unmodified: its directory is put first on `sys.path`, ``sys.exit(0)`` is
+    a normal end. Its stdout is sent to stderr so the caller's stdout stays its own.
+    Raises `ScriptError` (one line, naming the file) for a missing file, a syntax error,
+    an exception or a non-zero exit, and `NothingCapturedError` when nothing was compiled.
+    """
+    path = os.fspath(path)
+    _check_script(path)
+    script_dir = os.path.dirname(os.path.abspath(path))
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, script_dir)
+    try:
+        with _compile_hook() as records, contextlib.redirect_stdout(sys.stderr):
+            _run(path)
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+    captured = _to_captured(records)
+    if not captured:
+        raise NothingCapturedError(
+            f"{path} ran but compiled no jax functions (eager operations are not listed; "
+            "wrap the model in jax.jit)"
+        )
+    return captured
+
+
+def _check_script(path: str) -> None:
+    """Fail early, in one line, on a file that is missing or does not parse."""
+    if not os.path.exists(path):
+        raise ScriptError(f"no such file: {path}")
+    if not os.path.isfile(path):
+        raise ScriptError(f"not a file: {path}")
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+        compile(source, path, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise ScriptError(f"{path}:{e.lineno}: syntax error: {e.msg}") from e
+    except (OSError, ValueError) as e:
+        raise ScriptError(f"cannot read {path}: {e}") from e
+
+
+def _run(path: str) -> None:
+    """Run the script as ``__main__``, turning its failures into one line."""
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            detail = f"status {e.code}" if isinstance(e.code, int) else repr(e.code)
+            raise ScriptError(f"{path} exited with {detail}") from e
+    except Exception as e:
+        raise ScriptError(f"{_where(e, path)}: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _where(error: BaseException, path: str) -> str:
+    """``path:line`` of the deepest frame of the traceback that is in the script."""
+    where = path
+    abspath = os.path.abspath(path)
+    tb = error.__traceback__
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == abspath:
+            where = f"{path}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [ln for ln in str(error).splitlines() if ln.strip()]
+    return lines[0].strip() if lines else type(error).__name__
+
+
+def _source_path(func_src_info: str) -> str:
+    """The file in jax's ``"f at /path/x.py:12"`` form."""
+    _, _, rest = func_src_info.rpartition(" at ")
+    return os.path.abspath(rest.rsplit(":", 1)[0]) if rest else ""
+
+
+def select(captured: Sequence[CapturedFunction], pattern: str) -> list[CapturedFunction]:
+    """The captured functions whose name matches `pattern`.
+
+    A pattern with glob characters (``*?[``) must match the whole name (``train_*``);
+    otherwise it matches any name containing it (``step`` matches ``train_step``).
+    Raises `HlotoolError` naming the captured functions when nothing matches.
+    """
+    if any(c in pattern for c in "*?["):
+        chosen = [c for c in captured if fnmatch.fnmatchcase(c.name, pattern)]
+    else:
+        chosen = [c for c in captured if pattern in c.name]
+    if not chosen:
+        names = ", ".join(sorted({c.name for c in captured}))
+        raise HlotoolError(f"no captured function matches {pattern!r}; captured: {names}")
+    return chosen
+
+
+def _count_eqns(jaxpr: Jaxpr) -> int:
+    """Equations in `jaxpr` and every jaxpr nested in its equations' parameters."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, ClosedJaxpr):
+                    total += _count_eqns(sub.jaxpr)
+                elif isinstance(sub, Jaxpr):
+                    total += _count_eqns(sub)
+    return total
+
+
+def _count_mlir_ops(lowered: jax.stages.Lowered) -> int:
+    """Operations in the lowered module, not counting module/function scaffolding."""
+    from jax._src.lib.mlir import ir
+
+    module = lowered.compiler_ir("stablehlo")
+    count = 0
+
+    def visit(op: Any) -> Any:
+        nonlocal count
+        if op.name.split(".", 1)[0] not in ("builtin", "func"):
+            count += 1
+        return ir.WalkResult.ADVANCE
+
+    with module.context:
+        module.operation.walk(visit)
+    return count
+
+
+def _count_hlo(text: str) -> int:
+    """Instructions over all computations of an HLO module's text."""
+    if parse_module is None:  # TEMPORARY
+        return sum(1 for ln in text.splitlines() if " = " in ln and not ln.startswith("HloModule"))
+    return sum(len(c.instructions) for c in parse_module(text).computations.values())

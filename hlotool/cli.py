@@ -1,0 +1,299 @@
+"""The `hlotool` command line: `inspect` and `dump` the programs a JAX script compiles.
+
+Errors the user can fix (a missing script, a script that raises, an unknown target) print
+one line to stderr and exit non-zero; ``hlotool --debug`` shows the full traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from hlotool import __version__
+from hlotool.errors import HlotoolError
+from hlotool.targets import TARGETS, default_jax_platforms
+
+if TYPE_CHECKING:
+    from hlotool.capture import CapturedFunction
+
+STAGE_NAMES = ("jaxpr", "stablehlo", "hlo", "optimized")
+# Widest argument list the table shows in full; longer ones (parameter pytrees) are
+# abbreviated, and `inspect -v` lists every argument.
+_MAX_ARGS_SHOWN = 4
+
+_TARGET_HELP = (
+    "Compile target: "
+    + "; ".join(f"{t.name} ({t.description})" for t in TARGETS.values())
+    + ". TPU targets compile deviceless through libtpu: no TPU needed, nothing runs on one."
+)
+
+
+def _fail_cleanly(command: Callable[..., None]) -> Callable[..., None]:
+    """Turn errors into one line on stderr and a non-zero exit; tracebacks only with --debug."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        debug = click.get_current_context().find_root().params.get("debug", False)
+        try:
+            command(*args, **kwargs)
+        except HlotoolError as e:
+            if debug:
+                traceback.print_exception(e)
+            click.echo(f"hlotool: error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except Exception as e:
+            if debug:
+                traceback.print_exception(e)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            click.echo(
+                f"hlotool: internal error: {type(e).__name__}: {first} "
+                "(rerun with --debug for the traceback)",
+                err=True,
+            )
+            sys.exit(1)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(
+    __version__,
+    prog_name="hlotool",
+    message=f"%(prog)s %(version)s (jax {importlib.metadata.version('jax')})",
+)
+@click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
+def cli(debug: bool) -> None:
+    """Find out what XLA makes of the attention in your JAX programs.
+
+    Commands run your script unmodified, as `python model.py` would, and record every
+    function JAX compiles while it runs (plain jax.jit, decorators, and the jits flax,
+    haiku or equinox create). Eager operations outside jit are not listed.
+
+    Unless JAX_PLATFORMS is set, hlotool sets JAX_PLATFORMS=cpu on a machine with no TPU
+    attached, so that libtpu's start-up warnings stay out of the output.
+    """
+
+
+def _script_argument(command: Callable[..., None]) -> Callable[..., None]:
+    command = click.argument("script_args", nargs=-1, type=click.UNPROCESSED)(command)
+    return click.argument("script", metavar="SCRIPT[:NAME]")(command)
+
+
+@cli.command(
+    epilog="""\b
+Examples:
+  hlotool inspect examples/causal_decoder.py
+  hlotool inspect examples/causal_decoder.py:train_step
+  hlotool inspect 'examples/flax_model.py:*step' --target tpu-v5e
+  hlotool inspect examples/padded_encoder.py -- --seq-len 256""",
+)
+@_script_argument
+@click.option("--target", "target", default="cpu", show_default=True, help=_TARGET_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("-v", "--verbose", is_flag=True, help="Also list every argument by name.")
+@_fail_cleanly
+def inspect(
+    script: str, script_args: tuple[str, ...], target: str, as_json: bool, verbose: bool
+) -> None:
+    """Run SCRIPT and list the functions JAX compiled.
+
+    For each function: its arguments (shape and dtype, pytrees flattened), the size of
+    its program at each stage (jaxpr equations, StableHLO ops, HLO instructions before
+    and after XLA's optimizations for --target) and how long the original compile took.
+
+    SCRIPT:NAME keeps only functions whose name matches NAME: a glob when NAME contains
+    * ? or [ (matched against the whole name), otherwise a substring. Arguments after
+    `--` are passed to the script. The script's own output goes to stderr.
+    """
+    from hlotool.targets import get_target
+
+    compile_target = get_target(target)
+    path, functions = _capture(script, script_args)
+    rows = [(f, f.instruction_counts(compile_target)) for f in functions]
+    if as_json:
+        click.echo(json.dumps(_inspect_report(path, compile_target.name, rows), indent=2))
+        return
+    click.echo(
+        f"{len(functions)} function{'s' if len(functions) != 1 else ''} compiled by {path} "
+        f"(stage sizes for {compile_target.name}; compile s: as the script ran)"
+    )
+    click.echo(_function_table(rows, compile_target.name))
+    if verbose:
+        for f in functions:
+            click.echo(f"\n{f.index} {f.name}  ({f.source or 'source unknown'})")
+            names = f.arg_names or [f"arg{i}" for i in range(len(f.in_avals))]
+            for name, arg in zip(names, f.args_summary()):
+                click.echo(f"    {arg:<20} {name}")
+
+
+@cli.command(
+    epilog="""\b
+Examples:
+  hlotool dump examples/causal_decoder.py --stage hlo -o out/
+  hlotool dump examples/causal_decoder.py:forward --stage optimized --target tpu-v5e -o out/
+  hlotool dump examples/padded_encoder.py --stage jaxpr -o out/ -- --seq-len 256""",
+)
+@_script_argument
+@click.option(
+    "--stage",
+    type=click.Choice(STAGE_NAMES),
+    required=True,
+    help="jaxpr; stablehlo (MLIR); hlo (before optimization, with source locations); "
+    "optimized (HLO after XLA's passes for --target).",
+)
+@click.option("--target", "target", default="cpu", show_default=True, help=_TARGET_HELP)
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory to write into (created if missing).",
+)
+@_fail_cleanly
+def dump(
+    script: str, script_args: tuple[str, ...], stage: str, target: str, output: str
+) -> None:
+    """Run SCRIPT and write each compiled function's program at one stage.
+
+    One file per function, numbered in the order JAX first compiled them:
+    NNN_jit_NAME.jaxpr.txt, NNN_jit_NAME.TARGET.stablehlo.mlir, NNN_jit_NAME.TARGET.hlo.txt
+    or NNN_jit_NAME.TARGET.optimized.hlo.txt. SCRIPT:NAME and `--` script arguments work
+    as for `inspect`.
+    """
+    from hlotool.targets import get_target
+
+    compile_target = get_target(target)
+    _ensure_writable_dir(output)
+    path, functions = _capture(script, script_args)
+    for f in functions:
+        file = os.path.join(output, f.stage_filename(stage, compile_target))
+        text = f.stage_text(stage, compile_target)
+        try:
+            with open(file, "w") as out:
+                out.write(text)
+        except OSError as e:
+            raise HlotoolError(f"cannot write {file}: {e.strerror or e}") from e
+        click.echo(file)
+    click.echo(
+        f"wrote {len(functions)} file{'s' if len(functions) != 1 else ''} ({stage}, "
+        f"{compile_target.name}) for {path}",
+        err=True,
+    )
+
+
+def _capture(script: str, script_args: Sequence[str]) -> tuple[str, list[CapturedFunction]]:
+    """Split SCRIPT[:NAME], run the script, and keep the functions NAME selects."""
+    from hlotool.capture import capture_script, select
+
+    path, pattern = _split_script(script)
+    functions = capture_script(path, script_args)
+    if pattern:
+        functions = select(functions, pattern)
+    return path, functions
+
+
+def _split_script(script: str) -> tuple[str, str | None]:
+    """``model.py:train_*`` → (``model.py``, ``train_*``); an existing path is taken whole."""
+    if os.path.exists(script) or ":" not in script:
+        return script, None
+    path, _, pattern = script.rpartition(":")
+    if not pattern:
+        raise HlotoolError(f"empty function name after ':' in {script!r}")
+    return path, pattern
+
+
+def _ensure_writable_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise HlotoolError(f"cannot create output directory {path}: {e.strerror or e}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise HlotoolError(f"output directory {path} is not writable")
+
+
+def _args_cell(f: CapturedFunction) -> str:
+    args = f.args_summary()
+    if len(args) <= _MAX_ARGS_SHOWN:
+        return ", ".join(args)
+    # Data usually comes last, after parameter pytrees: keep both ends.
+    return f"{args[0]}, {args[1]}, …, {args[-1]} ({len(args)} args)"
+
+
+def _function_table(rows: Sequence[tuple[CapturedFunction, dict[str, int]]], target: str) -> str:
+    headers = ["#", "function", "args", "jaxpr", "stablehlo", "hlo", f"opt ({target})", "compile s"]
+    body = [
+        [
+            str(f.index),
+            f.name,
+            _args_cell(f),
+            str(counts["jaxpr"]),
+            str(counts["stablehlo"]),
+            str(counts["hlo"]),
+            str(counts["optimized"]),
+            _seconds(f),
+        ]
+        for f, counts in rows
+    ]
+    numeric = {0, 3, 4, 5, 6, 7}
+    return format_table(headers, body, right_aligned=numeric)
+
+
+def _seconds(f: CapturedFunction) -> str:
+    total = f.lower_seconds + (f.compile_seconds or 0.0)
+    return f"{total:.2f}" + ("" if f.compile_seconds is not None else " (lowered only)")
+
+
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], right_aligned: Collection[int] = ()
+) -> str:
+    """Rows as aligned text columns under a header and a rule."""
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right_aligned else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def _inspect_report(
+    path: str, target: str, rows: Sequence[tuple[CapturedFunction, dict[str, int]]]
+) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "script": path,
+        "target": target,
+        "functions": [
+            {
+                "index": f.index,
+                "name": f.name,
+                "source": f.source,
+                "args": [
+                    {"name": name, "shape": list(a.shape), "dtype": str(a.dtype)}
+                    for name, a in zip(f.arg_names or [None] * len(f.in_avals), f.in_avals)
+                ],
+                "instructions": counts,
+                "lower_seconds": f.lower_seconds,
+                "compile_seconds": f.compile_seconds,
+            }
+            for f, counts in rows
+        ],
+    }
+
+
+def main() -> None:
+    """Console entry point (``hlotool``, ``python -m hlotool``)."""
+    default_jax_platforms()
+    cli(prog_name="hlotool")

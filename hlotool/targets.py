@@ -1,0 +1,133 @@
+"""Compile targets: the host CPU, and TPU chips compiled for deviceless through libtpu.
+
+A TPU target needs no TPU: `jax.experimental.topologies` describes a single-chip topology
+(``v5e:1x1`` …) from libtpu, and a program jitted with replicated `NamedSharding`s on a
+1-device mesh of that topology lowers and compiles to real TPU HLO on a CPU-only machine.
+Such a program can be inspected, priced and diffed, but not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from hlotool.errors import HlotoolError
+
+if TYPE_CHECKING:
+    import jax
+
+
+class UnknownTargetError(HlotoolError):
+    """A target name that is not in `TARGETS`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a captured program is lowered and compiled."""
+
+    name: str  # what users type: "cpu", "tpu-v5e", ...
+    platform: str  # jax platform name: "cpu" | "tpu"
+    topology: str | None  # libtpu topology for deviceless compiles, e.g. "v5e:1x1"
+    description: str
+
+    @property
+    def deviceless(self) -> bool:
+        """True when this machine compiles for the target without having one attached."""
+        return self.topology is not None
+
+    def sharding(self) -> jax.sharding.Sharding | None:
+        """Replicated sharding on a 1-device mesh of the target; None for the host CPU.
+
+        The host needs none: plain `jax.jit` already compiles for the default (CPU) device.
+        """
+        if self.topology is None:
+            return None
+        return _replicated_sharding(self.topology)
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("cpu", "cpu", None, "host CPU (XLA:CPU), the default"),
+        Target("tpu-v5e", "tpu", "v5e:1x1", "TPU v5e, one chip, deviceless compile"),
+        Target("tpu-v5p", "tpu", "v5p:1x1x1", "TPU v5p, one chip, deviceless compile"),
+        Target("tpu-v6e", "tpu", "v6e:1x1", "TPU v6e, one chip, deviceless compile"),
+    )
+}
+
+
+def get_target(name: str | Target) -> Target:
+    """The `Target` called `name`; raises `UnknownTargetError` listing the valid names."""
+    if isinstance(name, Target):
+        return name
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise UnknownTargetError(
+            f"unknown target {name!r}; valid targets: {', '.join(TARGETS)}"
+        ) from None
+
+
+def default_jax_platforms() -> None:
+    """Keep jax on the CPU when the user chose no platform and no TPU is attached.
+
+    With libtpu installed, jax probes for a TPU at first use and libtpu prints a screenful
+    of warnings about TPU environment variables; on a machine without TPU device files that
+    probe can only fail. Must run before jax initializes its backends.
+    """
+    if "JAX_PLATFORMS" in os.environ:
+        return
+    attached = any(
+        os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0", "/dev/vfio/vfio")
+    )
+    if not attached:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+@functools.cache
+def _replicated_sharding(topology: str) -> jax.sharding.NamedSharding:
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    # libtpu takes a machine-wide lockfile on load; a deviceless compile drives no chip, so
+    # it may share libtpu with other processes (another hlotool, a test run).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    with _quiet_stderr() as noise:
+        try:
+            topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+            mesh = topologies.make_mesh(topo, (1,), ("x",))
+        except Exception as e:  # libtpu missing or refusing the topology: say which
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            hint = _last_line(noise())
+            raise HlotoolError(
+                f"cannot describe TPU topology {topology!r} for a deviceless compile "
+                f"(is libtpu installed?): {detail}" + (f" [{hint}]" if hint else "")
+            ) from e
+    return NamedSharding(mesh, PartitionSpec())
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[Callable[[], str]]:
+    """Divert file descriptor 2 while libtpu initializes; yields a reader of what it said.
+
+    libtpu writes its warnings from C++ straight to fd 2, so `sys.stderr` redirection
+    cannot catch them.
+    """
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lambda: (sink.seek(0), sink.read().decode(errors="replace"))[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
