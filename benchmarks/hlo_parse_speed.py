@@ -1,0 +1,88 @@
+"""Parse speed of `hlotool.hlo.parse_module` on large real modules.
+
+    JAX_PLATFORMS=cpu python benchmarks/hlo_parse_speed.py [--layers 24] [--repeats 5]
+
+Builds a plain-JAX transformer (pre-norm attention + MLP blocks, unrolled `--layers` times),
+takes its HLO before optimization (with debug info) and after CPU optimization, and prints
+instructions, bytes, best-of-N parse seconds and instructions per second for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from hlotool.hlo import parse_module, print_module  # noqa: E402
+
+
+def transformer(params, x, heads: int):
+    """x [B, L, D]; params: one dict of weights per layer."""
+    batch, length, dim = x.shape
+    mask = jnp.tril(jnp.ones((length, length), bool))
+    for p in params:
+        h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-6)
+        q, k, v = (
+            (h @ p[n]).reshape(batch, length, heads, dim // heads) for n in ("wq", "wk", "wv")
+        )
+        s = jnp.einsum("blhd,bmhd->bhlm", q, k) / jnp.sqrt(dim / heads)
+        s = jnp.where(mask, s, -1e9)
+        o = jnp.einsum("bhlm,bmhd->blhd", jax.nn.softmax(s, axis=-1), v)
+        x = x + o.reshape(batch, length, dim) @ p["wo"]
+        h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-6)
+        x = x + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
+    return x
+
+
+def modules(layers: int, dim: int = 64, length: int = 32, heads: int = 4) -> dict[str, str]:
+    key = jax.random.PRNGKey(0)
+    shapes = {"wq": (dim, dim), "wk": (dim, dim), "wv": (dim, dim), "wo": (dim, dim),
+              "w1": (dim, 4 * dim), "w2": (4 * dim, dim)}
+    params = [
+        {n: jax.random.normal(jax.random.fold_in(key, i), s) * 0.02 for n, s in shapes.items()}
+        for i in range(layers)
+    ]
+    x = jnp.ones((2, length, dim))
+    lowered = jax.jit(transformer, static_argnums=2).lower(params, x, heads)
+    return {
+        "pre-opt (debug info)": lowered.as_text(dialect="hlo", debug_info=True),
+        "CPU post-opt": lowered.compile().as_text(),
+    }
+
+
+def best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rows = []
+    for label, text in modules(args.layers).items():
+        module = parse_module(text)
+        count = sum(len(c.instructions) for c in module.computations.values())
+        parse_s = best_of(lambda: parse_module(text), args.repeats)
+        print_s = best_of(lambda: print_module(module), args.repeats)
+        rows.append((label, count, len(text.encode()), parse_s, count / parse_s, print_s))
+    header = f"{'module':<22} {'instructions':>12} {'bytes':>10} {'parse s':>9} {'instr/s':>10} {'print s':>9}"
+    print(f"{args.layers}-layer transformer, best of {args.repeats}")
+    print(header)
+    print("-" * len(header))
+    for label, count, nbytes, parse_s, rate, print_s in rows:
+        print(f"{label:<22} {count:>12,} {nbytes:>10,} {parse_s:>9.4f} {rate:>10,.0f} {print_s:>9.4f}")
+
+
+if __name__ == "__main__":
+    main()
