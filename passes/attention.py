@@ -1,0 +1,622 @@
+"""The attention pattern, defined once, and the shape-following that checks and describes it.
+
+What is matched is the naive function
+
+    scores = dot_general(q, k)                      # contraction over the head dim
+    logits = mask(scores * scale + bias)            # any order, any number of steps
+    probs  = exp(logits - max(logits)) / sum(...)   # or exp(logits) / sum(exp(logits))
+    out    = dot_general(probs, v)                  # contraction over the key axis
+
+written below as a `pattern.Pattern`, then `describe` follows axis labels (`passes/axes.py`)
+from the dot dimension numbers to check what a structural match cannot: the softmax runs
+along the key axis of Q·Kᵀ, and the second contraction is over that same axis. Only then is
+it attention. Both front ends (jaxpr, HLO) feed this one definition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numpy as np
+
+from hlotool.passes import axes
+from hlotool.passes.graph import Graph, Node, fold, strip, uniform_value
+from hlotool.passes.pattern import Alt, Any, Chain, Const, Link, Op, Same, Step, Through
+from hlotool.site import AttentionSite
+
+# A masked score is filled with -inf, finfo.min or any large negative constant.
+LARGE_NEGATIVE = -1e4
+
+
+def _is_large_negative(v: float) -> bool:
+    return v <= LARGE_NEGATIVE
+
+
+SCORES = Op("dot_general", Any(), Any(), name="scores")
+
+LOGITS = Chain(
+    SCORES,
+    Step("scale", "mul", chain_at=(0, 1), sides=(Const(),)),
+    Step("scale", "div", chain_at=(0,), sides=(Const(),)),
+    Step("bias", "add", chain_at=(0, 1), sides=(Any(),)),
+    Step("bias", "sub", chain_at=(0,), sides=(Any(),)),
+    Step("mask", "select", chain_at=(1, 2), sides=(Any(), Const(_is_large_negative))),
+    record="logits_path",
+    name="logits",
+)
+
+
+_ROW_MAX = Op("reduce_max", Same("logits"), name="row_max")
+_SHIFT = Through(Alt(_ROW_MAX, Op("max", _ROW_MAX, Const(lambda v: v == -math.inf),
+                                  commutative=True)))
+_EXP = Op("exp", Alt(Op("sub", LOGITS, _SHIFT), LOGITS), name="exp")
+_ROW_SUM = Through(Op("reduce_sum", Same("exp"), name="row_sum"))
+SOFTMAX = Alt(
+    Op("div", _EXP, _ROW_SUM, name="probs"),
+    Op("mul", _EXP, Through(Alt(Op("div", Const(lambda v: v == 1.0), _ROW_SUM),
+                                Op("reciprocal", _ROW_SUM))),
+       commutative=True, name="probs"),
+)
+
+ATTENTION = Op("dot_general", Through(SOFTMAX, record="probs_path"), Any("v"),
+               commutative=True, name="out")
+
+
+# ----------------------------------------------------------------------------------------
+# What a match describes
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How an array of `shape` maps to canonical axes:
+    `x.reshape(split).transpose(perm).reshape(canonical)`.
+
+    `roles` names each of the array's axes (B batch, H heads, G query-head group, L query
+    length, K key length, D head dim, E value head dim, 1 a unit axis) after `split`, which
+    separates an axis that merges batch and heads ([B*H, L, D] → "BHLD").
+    """
+
+    shape: tuple[int, ...]
+    roles: str
+    split: tuple[int, ...]
+    perm: tuple[int, ...]
+    canonical: tuple[int, ...]
+
+    def to_canonical(self, x):
+        return x.reshape(self.split).transpose(self.perm).reshape(self.canonical)
+
+    def from_canonical(self, y):
+        permuted = tuple(self.split[p] for p in self.perm)
+        return y.reshape(permuted).transpose(tuple(np.argsort(self.perm))).reshape(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """q, k or v as it enters the site, before the layout ops and pre-scaling followed."""
+
+    node: Node
+    layout: Layout  # to [B, L, H, D] (v: [B, Lk, Hkv, Dv])
+    followed: tuple[Node, ...]  # the layout/scale nodes between `node` and the dot
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskTerm:
+    """One mask step on the scores, in kernel terms.
+
+    kind "causal": built from constants alone and equal to tril (query i sees keys ≤ i).
+    kind "additive": `scores + sign * operand`. kind "boolean": `where(operand == keep_when,
+    scores, fill)`. `operand` is the node as the program holds it (None for causal);
+    `scores_layout` maps `broadcast_to(operand, at.shape)` to [B, Hq, Lq, Lk].
+    """
+
+    kind: str
+    at: Node  # the select/add/sub node applying it
+    operand: Node | None
+    shape: tuple[int, ...]  # operand as broadcast against the scores (1 where constant)
+    scores_layout: Layout
+    sign: float = 1.0
+    fill: float | None = None
+    keep_when: bool = True
+    key_lengths: Node | None = None  # where `operand` is iota(key) < lengths[..., None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """A checked attention site, front-end neutral."""
+
+    site: AttentionSite
+    q: Operand
+    k: Operand
+    v: Operand
+    out: Node  # the second dot_general
+    out_layout: Layout  # [B, Lq, Hq, Dv] ↔ `out`
+    scale: float
+    masks: tuple[MaskTerm, ...]
+    body: tuple[Node, ...]  # every node computing the site from q/k/v/masks to `out`
+    internals: dict[str, Node]  # scores, logits, row_max, exp, row_sum, probs
+
+
+def find(graph: Graph, function: str = "") -> list[Match]:
+    """Every attention site in `graph`, in program order of its output contraction."""
+    found = []
+    for root in graph.anchors("dot_general"):
+        for m in ATTENTION.match(root, {}):
+            match = describe(m, function)
+            if match is not None:
+                found.append(match)
+                break
+    return found
+
+
+# ----------------------------------------------------------------------------------------
+# Shape following
+
+
+class _Reject(Exception):
+    """The structure matched but shapes say it is not attention."""
+
+
+def describe(m: dict, function: str = "") -> Match | None:
+    """Check a structural match along its axes and describe it; None if not attention."""
+    try:
+        return _describe(m, function)
+    except _Reject:
+        return None
+
+
+def _operand_labels(node: Node, batch: tuple[int, ...], contract: tuple[int, ...],
+                    free_kind: str) -> axes.Labels:
+    out = []
+    for a in range(len(node.shape)):
+        if a in batch:
+            out.append(frozenset({("b", batch.index(a))}))
+        elif a in contract:
+            out.append(frozenset({("c", contract.index(a))}))
+        elif node.shape[a] == 1:
+            out.append(axes.EMPTY)
+        else:
+            out.append(frozenset({(free_kind, a)}))
+    return tuple(out)
+
+
+def _dot_output_labels(dot: Node, left: axes.Labels, right: axes.Labels) -> axes.Labels:
+    p = dot.params
+    out = [left[a] for a in p["lhs_batch"]]
+    out += [left[a] for a in range(len(left)) if a not in p["lhs_batch"] + p["lhs_contract"]]
+    out += [right[a] for a in range(len(right))
+            if a not in p["rhs_batch"] + p["rhs_contract"]]
+    return tuple(out)
+
+
+def _follow(path: tuple[Link | Node, ...], labels: axes.Labels) -> axes.Labels:
+    """Labels at the top of a matched path (recorded top-down) from those at its bottom."""
+    for step in reversed(path):
+        node, layout = ((step.node, step.kind == "layout") if isinstance(step, Link)
+                        else (step, True))
+        labels = axes.forward(node, labels) if layout else labels
+        if labels is None or len(labels) != len(node.shape):
+            raise _Reject
+    return labels
+
+
+def _describe(m: dict, function: str) -> Match:
+    scores, out = m["scores"], m["out"]
+    dn = scores.params
+    left = _operand_labels(scores.inputs[0], dn["lhs_batch"], dn["lhs_contract"], "l")
+    right = _operand_labels(scores.inputs[1], dn["rhs_batch"], dn["rhs_contract"], "r")
+    score_labels = _dot_output_labels(scores, left, right)
+
+    # The softmax axis is the key axis: it decides which dot operand is K.
+    logits_links = m["logits_path"]
+    logits_labels = _follow(logits_links, score_labels)
+    reduced = set(m["row_sum"].params["axes"])
+    if "row_max" in m and set(m["row_max"].params["axes"]) != reduced:
+        raise _Reject
+    key_tokens = frozenset().union(*(logits_labels[a] for a in reduced))
+    kinds = {t[0] for t in key_tokens}
+    if len(key_tokens) != 1 or kinds not in ({"l"}, {"r"}):
+        raise _Reject
+    kside = kinds.pop()
+    qside = "r" if kside == "l" else "l"
+    k_labels, q_labels = (left, right) if kside == "l" else (right, left)
+    k_free = {t for lab in k_labels for t in lab if t[0] == kside}
+    if k_free != key_tokens:
+        raise _Reject  # K has a free axis the softmax does not run over
+    if any(logits_labels[a] != key_tokens for a in reduced if m["exp"].shape[a] != 1):
+        raise _Reject
+    (key_token,) = key_tokens
+
+    # The second contraction is over that same key axis, and only over it.
+    probs_labels = _follow(m["probs_path"], logits_labels)
+    p_top = m["probs_path"][0] if m["probs_path"] else m["probs"]
+    p_at = 0 if out.inputs[0] is p_top else 1
+    od = out.params
+    p_batch, p_contract = ((od["lhs_batch"], od["lhs_contract"]) if p_at == 0
+                           else (od["rhs_batch"], od["rhs_contract"]))
+    v_batch, v_contract = ((od["rhs_batch"], od["rhs_contract"]) if p_at == 0
+                           else (od["lhs_batch"], od["lhs_contract"]))
+    if {t for a in p_contract for t in probs_labels[a]} != key_tokens:
+        raise _Reject
+    if any(key_token in probs_labels[a] for a in range(len(probs_labels)) if a not in p_contract):
+        raise _Reject
+    v_node = out.inputs[1 - p_at]
+    v_labels = []
+    for a in range(len(v_node.shape)):
+        if a in v_contract:
+            v_labels.append(probs_labels[p_contract[v_contract.index(a)]])
+        elif a in v_batch:
+            v_labels.append(probs_labels[p_batch[v_batch.index(a)]])
+        elif v_node.shape[a] == 1:
+            v_labels.append(axes.EMPTY)
+        else:
+            v_labels.append(frozenset({("dv", a)}))
+    v_labels = tuple(v_labels)
+    p_free = [a for a in range(len(probs_labels)) if a not in p_batch + p_contract]
+    v_free = [a for a in range(len(v_labels)) if a not in v_batch + v_contract]
+    if p_at == 0:
+        out_labels = tuple([probs_labels[a] for a in p_batch] + [probs_labels[a] for a in p_free]
+                           + [v_labels[a] for a in v_free])
+    else:
+        out_labels = tuple([v_labels[a] for a in v_batch] + [v_labels[a] for a in v_free]
+                           + [probs_labels[a] for a in p_free])
+
+    # Q decides which batch axis holds the heads and which free axis the query length.
+    q_node = scores.inputs[1] if kside == "l" else scores.inputs[0]
+    k_node = scores.inputs[0] if kside == "l" else scores.inputs[1]
+    q_entry, q_entry_labels, q_scale, q_followed = _trace(q_node, q_labels, qside, None)
+    qlen_token, head_token, parts = _query_axes(q_entry, q_entry_labels, qside)
+    roles = _Roles(qside, kside, qlen_token, head_token, parts)
+
+    k_entry, k_entry_labels, k_scale, k_followed = _trace(k_node, k_labels, qside, head_token)
+    v_entry, v_entry_labels, v_scale, v_followed = _trace(v_node, v_labels, qside, head_token)
+    if v_scale != 1.0:
+        raise _Reject  # a scaled V is not a softmax scale
+    q_layout = roles.layout(q_entry.shape, q_entry_labels, "BLHD")
+    k_layout = roles.layout(k_entry.shape, k_entry_labels, "BKHD")
+    v_layout = roles.layout(v_entry.shape, v_entry_labels, "BKHE")
+    out_layout = roles.layout(out.shape, out_labels, "BLHE")
+    b, lq, hq, d = q_layout.canonical
+    bk, lk, hkv, dk = k_layout.canonical
+    bv, lv, hv, dv = v_layout.canonical
+    if (bk, dk) != (b, d) or (bv, lv, hv) != (b, lk, hkv) or hkv == 0 or hq % hkv:
+        raise _Reject
+
+    scale = q_scale * k_scale
+    masks = []
+    for link in logits_links:
+        if link.kind == "scale":
+            value = uniform_value(link.sides[0])
+            scale = scale * value if link.node.op == "mul" else scale / value
+        elif link.kind in ("bias", "mask"):
+            link_labels = _follow(logits_links[logits_links.index(link) + 1:], score_labels)
+            masks.append(_mask_term(link, link_labels, roles))
+    has_scale = (q_scale != 1.0 or k_scale != 1.0
+                 or any(link.kind == "scale" for link in logits_links))
+
+    kinds = [t.kind for t in masks]
+    kind = next((k for k in ("additive", "boolean", "causal") if k in kinds), "none")
+    reported = next((t for t in masks if t.kind == kind), None)
+    internals = {name: m[name] for name in ("scores", "logits", "row_max", "exp", "row_sum",
+                                           "probs") if name in m}
+    site = AttentionSite(
+        batch=b, q_len=lq, kv_len=lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+        v_head_dim=dv, dtype=q_entry.dtype, scale=scale if has_scale else None, mask=kind,
+        mask_shape=reported.shape if reported is not None and kind != "causal" else None,
+        q_shape=q_entry.shape, k_shape=k_entry.shape, v_shape=v_entry.shape,
+        layout=q_layout.roles, softmax_dtype=m["exp"].dtype, function=function,
+        source=scores.source or out.source,
+    )
+    stops = {id(n) for n in (q_entry, k_entry, v_entry)}
+    stops |= {id(s) for link in logits_links for s in link.sides}
+    return Match(
+        site=site,
+        q=Operand(q_entry, q_layout, q_followed),
+        k=Operand(k_entry, k_layout, k_followed),
+        v=Operand(v_entry, v_layout, v_followed),
+        out=out, out_layout=out_layout, scale=scale, masks=tuple(masks),
+        body=_body(out, stops), internals=internals,
+    )
+
+
+def _trace(node: Node, labels: axes.Labels, qside: str, head_token
+           ) -> tuple[Node, axes.Labels, float, tuple[Node, ...]]:
+    """Follow an operand back through casts, transposes, head repeats and constant scaling.
+
+    Stops at the first op that changes more than layout: a reshape that splits or merges a
+    length or head-dim axis, a broadcast of anything but heads (GQA/MQA K and V), or a
+    `tile`-ordered head repeat (query head h would not use kv head h // group).
+    """
+    scale, followed = 1.0, []
+    before_reshape = None
+    while True:
+        op = node.op
+        if op in ("convert", "copy", "stop_gradient", "reduce_precision"):
+            step = (labels, [])
+        elif op == "transpose":
+            step = axes.backward(node, labels)
+        elif op == "reshape":
+            step = axes.backward(node, labels)
+            if step is None or not _reshape_keeps_axes(node, labels, qside):
+                break
+            before_reshape = (node, labels, scale, tuple(followed))
+        elif op == "broadcast" and head_token is not None:
+            step = axes.backward(node, labels)
+            repeat = step and _head_repeat(node, labels, step[1], head_token)
+            if repeat == "tile" and before_reshape is not None:
+                return before_reshape  # the heads as tiled, before they were merged
+            if repeat != "repeat":
+                break
+        elif op in ("mul", "div") and len(node.inputs) == 2:
+            at = _scaled_operand(node)
+            if at is None:
+                break
+            value = uniform_value(node.inputs[1 - at])
+            scale = scale * value if op == "mul" else scale / value
+            followed.append(node)
+            node = node.inputs[at]
+            continue
+        else:
+            break
+        followed.append(node)
+        labels = step[0]
+        node = node.inputs[0]
+    return node, labels, scale, tuple(followed)
+
+
+def _scaled_operand(node: Node) -> int | None:
+    """Operand index scaled by a constant in a mul/div, or None."""
+    candidates = (0, 1) if node.op == "mul" else (0,)
+    for at in candidates:
+        other = node.inputs[1 - at]
+        if other.size <= 1 or other.op in ("broadcast", "constant"):
+            value = uniform_value(other)
+            if value is not None and value != 0 and uniform_value(node.inputs[at]) is None:
+                return at
+    return None
+
+
+def _reshape_keeps_axes(node: Node, labels: axes.Labels, qside: str) -> bool:
+    groups = axes.reshape_groups(node.inputs[0].shape, node.shape)
+    for ga, gb in groups or ():
+        if len(ga) == 1 and len(gb) == 1:
+            continue
+        tokens = frozenset().union(*(labels[j] for j in gb))
+        if any(t[0] not in ("b", qside) for t in tokens):
+            return False
+        if sum(t[0] == qside for t in tokens) > 1:
+            return False
+    return groups is not None
+
+
+def _head_repeat(node: Node, labels: axes.Labels, created: list[tuple[int, frozenset]],
+                 head_token) -> str | None:
+    """"repeat" for a broadcast that only repeats heads kv-head-major (`jnp.repeat`),
+    "tile" when the copies come first (`jnp.tile`), None for any other broadcast."""
+    if any(lab and lab != {head_token} for _, lab in created):
+        return None
+    dims = node.params["dims"]
+    kept = [d for i, d in enumerate(dims)
+            if node.inputs[0].shape[i] != 1 and head_token in labels[d]]
+    new = [d for d, lab in created if lab and d not in dims]
+    return "repeat" if all(d > k for d in new for k in kept) else "tile"
+
+
+def _query_axes(entry: Node, labels: axes.Labels, qside: str):
+    """(query-length token, heads token, batch parts) from Q's own layout.
+
+    The length is the first pure free axis of Q; other free axes are query-head groups
+    (GQA written 5-D). The heads axis is the last batch axis shared with K when there are
+    several, or the only one when it comes after the length ([L, H, D]). A batch token that
+    Q spreads over several axes (a dot over [B*H, L, D]) is split into those axes' roles:
+    `parts[token]` lists (role, size) of Q's axes carrying it, in order.
+    """
+    pure_free = [(a, lab) for a, lab in enumerate(labels)
+                 if lab and all(t[0] == qside for t in lab) and entry.shape[a] != 1]
+    if not pure_free or len(pure_free[0][1]) != 1:
+        raise _Reject
+    len_axis, (qlen_token,) = pure_free[0]
+    batch_axes = [a for a, lab in enumerate(labels) if any(t[0] == "b" for t in lab)]
+    head_axis = None
+    if len(batch_axes) >= 2 or (batch_axes and batch_axes[0] > len_axis):
+        head_axis = batch_axes[-1]
+    head_token = None
+    if head_axis is not None:
+        tokens = [t for t in labels[head_axis] if t[0] == "b"]
+        if len(tokens) != 1:
+            raise _Reject
+        head_token = tokens[0]
+    parts: dict[tuple, list[tuple[str, int]]] = {}
+    for a in batch_axes:
+        for t in labels[a]:
+            if t[0] == "b":
+                parts.setdefault(t, []).append(("H" if a == head_axis else "B", entry.shape[a]))
+    return qlen_token, head_token, parts
+
+
+@dataclasses.dataclass(frozen=True)
+class _Roles:
+    """Names the axes of the site's arrays once Q has fixed which token is what."""
+
+    qside: str
+    kside: str
+    qlen: tuple
+    head: tuple | None
+    parts: dict
+
+    def role(self, token) -> str:
+        kind = token[0]
+        if kind == "b":
+            return self.parts[token][0][0] if token in self.parts else "B"
+        if kind == self.qside:
+            return "L" if token == self.qlen else "G"
+        if kind == self.kside:
+            return "K"
+        return "D" if kind == "c" else "E"
+
+    def _axes(self, shape: tuple[int, ...], labels: axes.Labels) -> list[tuple[int, str, tuple]]:
+        """(size, role, sort key) per axis, splitting an axis that merges Q's batch parts."""
+        out = []
+        for a, (n, lab) in enumerate(zip(shape, labels)):
+            if not lab:
+                if n != 1:
+                    raise _Reject
+                out.append((1, "1", ()))
+                continue
+            split = [t for t in lab if len(self.parts.get(t, ())) > 1]
+            if split:
+                (t,) = split if len(split) == 1 and len(lab) == 1 else (None,)
+                if t is None:
+                    raise _Reject
+                carriers = [b for b, other in enumerate(labels) if t in other]
+                parts = self.parts[t]
+                if len(carriers) == len(parts):
+                    role = parts[carriers.index(a)][0]
+                    out.append((n, role, (t, carriers.index(a))))
+                elif len(carriers) == 1 and n == int(np.prod([m for _, m in parts])):
+                    out.extend((m, role, (t, i)) for i, (role, m) in enumerate(parts))
+                else:
+                    raise _Reject
+                continue
+            found = {self.role(t) for t in lab}
+            if found <= {"H", "G"}:
+                role = "H" if "H" in found else "G"
+            elif len(found) == 1:
+                role = found.pop()
+            else:
+                raise _Reject
+            out.append((n, role, min(lab)))
+        return out
+
+    def layout(self, shape: tuple[int, ...], labels: axes.Labels, order: str) -> Layout:
+        """Layout of an array whose axes carry `labels`, to canonical `order` (e.g. "BLHD")."""
+        virtual = self._axes(shape, labels)
+        group_of = {"1": "B", "G": "H"}
+
+        def group(role: str) -> int:
+            g = group_of.get(role, role)
+            if g not in order:
+                raise _Reject
+            return order.index(g)
+
+        perm = tuple(sorted(range(len(virtual)), key=lambda a: (
+            group(virtual[a][1]), virtual[a][1] == "1", virtual[a][1] == "G", virtual[a][2])))
+        canonical = tuple(
+            int(np.prod([virtual[a][0] for a in perm if group(virtual[a][1]) == i],
+                        dtype=np.int64))
+            for i in range(len(order)))
+        roles = "".join(r for _, r, _ in virtual)
+        return Layout(tuple(shape), roles, tuple(n for n, _, _ in virtual), perm, canonical)
+
+
+def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
+    node = link.node
+    scores_layout = roles.layout(node.shape, labels, "BHLK")
+    if link.kind == "bias":
+        operand = link.sides[0]
+        sign = -1.0 if node.op == "sub" else 1.0
+        keep_when, fill = True, None
+    else:
+        operand, fill_node = link.sides
+        sign, fill = 1.0, uniform_value(fill_node)
+        keep_when = link.chain_input == 1
+    shape = _broadcast_shape(operand, len(node.shape))
+    value = fold(operand)
+    kind = "additive" if link.kind == "bias" else "boolean"
+    if value is not None and _is_causal(value, node, labels, roles, link.kind, sign, keep_when):
+        return MaskTerm("causal", node, None, shape, scores_layout)
+    return MaskTerm(kind, node, operand, shape, scores_layout, sign=sign, fill=fill,
+                    keep_when=keep_when, key_lengths=_key_lengths(operand, keep_when, labels,
+                                                                  roles, node))
+
+
+def _broadcast_shape(operand: Node, rank: int) -> tuple[int, ...]:
+    """The operand's shape against `rank` score axes, 1 where it is broadcast."""
+    if len(operand.shape) != rank:
+        return (1,) * (rank - len(operand.shape)) + operand.shape if operand.size > 1 else (
+            (1,) * rank)
+    axis_map = list(range(rank))  # current axis -> score axis
+    node = operand
+    while True:
+        if node.op in ("convert", "copy", "stop_gradient"):
+            node = node.inputs[0]
+        elif node.op == "broadcast":
+            axis_map = [axis_map[d] for d in node.params["dims"]]
+            node = node.inputs[0]
+        elif node.op == "reshape" and [n for n in node.shape if n != 1] == [
+                n for n in node.inputs[0].shape if n != 1]:
+            kept = [axis_map[j] for j, n in enumerate(node.shape) if n != 1]
+            it = iter(kept)
+            axis_map = [next(it) if n != 1 else -1 for n in node.inputs[0].shape]
+            node = node.inputs[0]
+        else:
+            break
+    out = [1] * rank
+    for a, n in enumerate(node.shape):
+        if n != 1 and axis_map[a] >= 0:
+            out[axis_map[a]] = n
+    return tuple(out)
+
+
+def _qk_axes(labels: axes.Labels, roles: _Roles) -> tuple[int, int] | None:
+    """Score axes holding exactly the query length and the key length."""
+    q_axes = [a for a, lab in enumerate(labels) if roles.qlen in lab]
+    k_axes = [a for a, lab in enumerate(labels) if any(t[0] == roles.kside for t in lab)]
+    if len(q_axes) != 1 or len(k_axes) != 1 or len(labels[q_axes[0]]) != 1:
+        return None
+    return q_axes[0], k_axes[0]
+
+
+def _is_causal(value: np.ndarray, node: Node, labels: axes.Labels, roles: _Roles,
+               kind: str, sign: float, keep_when: bool) -> bool:
+    qk = _qk_axes(labels, roles)
+    if qk is None:
+        return False
+    value = np.broadcast_to(value, node.shape)
+    index = tuple(slice(None) if a in qk else 0 for a in range(value.ndim))
+    plane = value[index]
+    if plane.ndim != 2:
+        return False
+    if not np.all(value == value[tuple(np.s_[:] if a in qk else np.s_[:1]
+                                       for a in range(value.ndim))]):
+        return False  # varies along batch or heads
+    if qk[0] > qk[1]:
+        plane = plane.T
+    tril = np.tril(np.ones(plane.shape, dtype=bool))
+    if kind == "mask":
+        return bool(np.array_equal(plane.astype(bool) == keep_when, tril))
+    bias = sign * plane.astype(np.float64)
+    return bool(np.all(bias[tril] == 0) and np.all(bias[~tril] <= LARGE_NEGATIVE))
+
+
+def _key_lengths(operand: Node, keep_when: bool, labels: axes.Labels, roles: _Roles,
+                 at: Node) -> Node | None:
+    """`lengths` where the keep-mask reads iota(key axis) < lengths (or lengths > iota)."""
+    pred = strip(operand, ("convert", "broadcast", "reshape"))
+    if not keep_when or pred.op != "compare":
+        return None
+    direction = pred.params["direction"]
+    a, b = pred.inputs
+    if direction in ("gt", "ge"):
+        a, b = b, a
+    elif direction not in ("lt", "le"):
+        return None
+    iota = strip(a, ("convert", "broadcast", "reshape"))
+    qk = _qk_axes(labels, roles)
+    if qk is None or iota.op != "iota" or fold(b) is not None:
+        return None
+    if iota.shape[iota.params["dimension"]] != at.shape[qk[1]]:
+        return None
+    return strip(b, ("convert", "broadcast", "reshape"))
+
+
+def _body(out: Node, stops: set[int]) -> tuple[Node, ...]:
+    """Nodes between the site's inputs (q/k/v entries, mask operands) and its output."""
+    seen: dict[int, Node] = {}
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or id(node) in stops:
+            continue
+        seen[id(node)] = node
+        stack.extend(node.inputs)
+    return tuple(seen.values())

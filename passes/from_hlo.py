@@ -1,0 +1,123 @@
+"""HLO front end: instructions of pre-optimization HLO → normalized graph, one per computation.
+
+Calls are inlined first (`Module.inline_calls`), so masks built in `call(..., to_apply=_where)`
+are seen in place; `while` bodies and `conditional` branches are computations of their own
+and are matched in place, their name giving the site's path.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from hlotool.errors import HlotoolError
+from hlotool.hlo import Computation, Instruction, Module, parse_module
+from hlotool.passes.attention import Match, find
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node
+from hlotool.site import AttentionSite
+
+_DTYPES = {
+    "pred": "bool", "f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64",
+    "s8": "int8", "s16": "int16", "s32": "int32", "s64": "int64",
+    "u8": "uint8", "u16": "uint16", "u32": "uint32", "u64": "uint64",
+}
+_RENAMED = {
+    "exponential": "exp", "subtract": "sub", "multiply": "mul", "divide": "div",
+    "negate": "neg", "maximum": "max", "minimum": "min", "power": "pow", "bitcast": "reshape",
+    "reduce-precision": "reduce_precision", "remainder": "rem",
+}
+_REDUCERS = {"maximum": "reduce_max", "add": "reduce_sum"}
+_NUMBER = re.compile(r"-?inf|nan|true|false|[-+0-9.eE]+")
+
+
+def _literal(text: str | None, shape: tuple[int, ...], dtype: str) -> np.ndarray | None:
+    """A constant's value from its HLO literal text, or None when it is not printed."""
+    if text is None or int(np.prod(shape, dtype=np.int64)) > MAX_FOLD_ELEMENTS:
+        return None
+    tokens = _NUMBER.findall(text)
+    if len(tokens) != int(np.prod(shape, dtype=np.int64)):
+        return None
+    values = [{"true": 1, "false": 0}.get(t, t) for t in tokens]
+    try:
+        array = np.array([float(v) for v in values])
+    except ValueError:
+        return None
+    np_dtype = np.float32 if dtype in ("bfloat16", "float16") else np.dtype(dtype)
+    return array.astype(np_dtype).reshape(shape)
+
+
+def _normalize(inst: Instruction, module: Module) -> tuple[str, dict, list[str]]:
+    """(op, params, operand names) of an instruction in the graph vocabulary."""
+    op, operands = inst.opcode, list(inst.operands)
+    if op == "dot":
+        return "dot_general", {
+            "lhs_contract": inst.dims("lhs_contracting_dims"),
+            "rhs_contract": inst.dims("rhs_contracting_dims"),
+            "lhs_batch": inst.dims("lhs_batch_dims") if "lhs_batch_dims" in inst.attributes
+            else (),
+            "rhs_batch": inst.dims("rhs_batch_dims") if "rhs_batch_dims" in inst.attributes
+            else (),
+        }, operands
+    if op == "reduce" and len(operands) == 2 and inst.called_computations:
+        reducer = module.computations.get(inst.called_computations[0])
+        kind = _REDUCERS.get(reducer.root.opcode) if reducer is not None else None
+        if kind is not None:
+            return kind, {"axes": inst.dims("dimensions")}, operands[:1]
+    if op == "broadcast":
+        return "broadcast", {"dims": inst.dims("dimensions")}, operands
+    if op == "transpose":
+        return "transpose", {"perm": inst.dims("dimensions")}, operands
+    if op == "compare":
+        return "compare", {"direction": inst.attributes["direction"].lower()}, operands
+    if op == "iota":
+        return "iota", {"dimension": int(inst.attributes["iota_dimension"])}, operands
+    return _RENAMED.get(op, op), {}, operands
+
+
+def _graph(comp: Computation, module: Module) -> Graph:
+    graph = Graph([], (comp.name,))
+    env: dict[str, Node] = {}
+    for inst in comp.instructions:
+        shape = inst.shape
+        dtype = "tuple" if shape.is_tuple else _DTYPES.get(shape.element_type,
+                                                            shape.element_type)
+        dims = tuple(shape.dims)
+        source = env.get(inst.operands[0]) if inst.operands else None
+        if inst.opcode == "get-tuple-element" and source is not None and source.op == "tuple":
+            # An inlined call returning a tuple: read the element itself.
+            env[inst.name] = source.inputs[int(inst.attributes["index"])]
+            continue
+        if inst.opcode == "constant":
+            node = Node("constant", (), dims, dtype,
+                        {"value": _literal(inst.literal, dims, dtype)}, ref=inst.name)
+        else:
+            op, params, operands = _normalize(inst, module)
+            inputs = tuple(env[o] for o in operands if o in env)
+            if len(inputs) != len(operands):
+                op = inst.opcode  # an operand from elsewhere: keep the node opaque
+            node = Node(op, inputs, dims, dtype, params, inst.source or "", inst.name)
+        env[inst.name] = node
+        graph.nodes.append(node)
+    return graph
+
+
+def find_matches(module: Module, function: str = "") -> list[Match]:
+    """Every attention site in every computation of `module`, with its graph description."""
+    if any(i.opcode == "call" for i in module.instructions()):
+        module = module.inline_calls()
+    matches = []
+    for comp in module.computations.values():
+        if any(i.opcode == "dot" for i in comp.instructions):
+            matches.extend(find(_graph(comp, module), function))
+    return matches
+
+
+def detect_hlo(module: Module | str, function: str = "") -> list[AttentionSite]:
+    """The attention sites of pre-optimization HLO (a parsed `Module` or its text)."""
+    if isinstance(module, str):
+        module = parse_module(module)
+    if not isinstance(module, Module):
+        raise HlotoolError(f"detect_hlo needs an HLO Module or its text, got "
+                           f"{type(module).__name__}")
+    return [m.site for m in find_matches(module, function or module.name)]

@@ -1,0 +1,313 @@
+"""Jaxpr front end: equations → normalized graph, and sites in jaxpr terms for the rewrite.
+
+Call-like equations (`jit`/`pjit`, `closed_call`, `custom_jvp_call`, `custom_vjp_call`,
+`checkpoint`/`remat`) are inlined into their caller's graph, so a site may span them.
+Bodies of `scan`, `while` and `cond` are separate regions, matched in place; their path
+says where they are.
+
+Paths. A jaxpr nested in the program is addressed by a tuple of steps from the top
+ClosedJaxpr; a step is `(eqn_index, param)` with `param` the equation's parameter holding the
+sub-jaxpr ("jaxpr", "call_jaxpr", "body_jaxpr", "branches[1]", ...). `jaxpr_at` resolves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+from jax._src import core, source_info_util
+
+from hlotool.errors import HlotoolError
+from hlotool.passes.attention import Layout, Match, find
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node
+from hlotool.site import AttentionSite
+
+Path = tuple[tuple[int, str], ...]
+
+# Primitive -> parameter holding the callee; inlined into the caller's graph.
+INLINED = {
+    "pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+}
+# Primitive -> parameters holding bodies matched as regions of their own.
+REGIONS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
+
+_RENAMED = {
+    "broadcast_in_dim": "broadcast", "convert_element_type": "convert", "squeeze": "reshape",
+    "expand_dims": "reshape", "copy_p": "copy",
+}
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+
+
+@dataclasses.dataclass
+class JaxprRef:
+    """Where a node's value is defined (`index` -1: an input of the jaxpr at `path`), and
+    the other jaxprs it is visible in under another variable (through inlined calls)."""
+
+    path: Path
+    index: int
+    var: Any
+    aliases: list[tuple[Path, int, Any]] = dataclasses.field(default_factory=list)
+
+    def var_at(self, path: Path) -> Any | None:
+        if self.path == path:
+            return self.var
+        return next((v for p, _, v in self.aliases if p == path), None)
+
+
+def jaxpr_at(closed: core.ClosedJaxpr, path: Path) -> core.Jaxpr:
+    """The (open) jaxpr at `path` inside `closed`."""
+    jaxpr = closed.jaxpr
+    for index, param in path:
+        eqn = jaxpr.eqns[index]
+        if param.startswith("branches["):
+            sub = eqn.params["branches"][int(param[9:-1])]
+        else:
+            sub = eqn.params[param]
+        jaxpr = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
+    return jaxpr
+
+
+def _source(eqn: core.JaxprEqn) -> str:
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    return f"{frame.file_name}:{frame.start_line}" if frame is not None else ""
+
+
+def _normalize(eqn: core.JaxprEqn) -> tuple[str, dict[str, Any], tuple[int, ...] | None]:
+    """(op, params, input order) of an equation in the graph vocabulary."""
+    prim, p = eqn.primitive.name, eqn.params
+    if prim == "dot_general":
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        return prim, {"lhs_contract": tuple(lc), "rhs_contract": tuple(rc),
+                      "lhs_batch": tuple(lb), "rhs_batch": tuple(rb)}, None
+    if prim in ("reduce_max", "reduce_sum"):
+        return prim, {"axes": tuple(int(a) for a in p["axes"])}, None
+    if prim == "broadcast_in_dim":
+        return "broadcast", {"dims": tuple(int(d) for d in p["broadcast_dimensions"])}, None
+    if prim == "transpose":
+        return prim, {"perm": tuple(int(d) for d in p["permutation"])}, None
+    if prim == "reshape" and p.get("dimensions") is not None:
+        return "reshape_transposed", {}, None
+    if prim == "select_n" and len(eqn.invars) == 3 and eqn.invars[0].aval.dtype == np.bool_:
+        return "select", {}, (0, 2, 1)  # select_n(pred, on_false, on_true)
+    if prim in _COMPARISONS:
+        return "compare", {"direction": prim}, None
+    if prim == "iota":
+        return prim, {"dimension": int(p["dimension"])}, None
+    if prim == "integer_pow":
+        return prim, {"y": p["y"]}, None
+    return _RENAMED.get(prim, prim), {}, None
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.regions: list[Graph] = []
+
+    def region(self, jaxpr: core.Jaxpr, consts: list[Any], path: Path) -> None:
+        graph = Graph([], path)
+        self.regions.append(graph)
+        env: dict[Any, Node] = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = self._constant(v.aval, c, JaxprRef(path, -1, v), graph)
+        for v in jaxpr.invars:
+            env[v] = Node("parameter", (), tuple(v.aval.shape), str(v.aval.dtype),
+                          ref=JaxprRef(path, -1, v))
+            graph.nodes.append(env[v])
+        self._eqns(jaxpr, env, path, graph)
+
+    def _constant(self, aval, value, ref: JaxprRef, graph: Graph) -> Node:
+        value = np.asarray(value) if np.size(value) <= MAX_FOLD_ELEMENTS else None
+        node = Node("constant", (), tuple(aval.shape), str(aval.dtype), {"value": value},
+                    ref=ref)
+        graph.nodes.append(node)
+        return node
+
+    def _read(self, atom, env, path: Path, index: int, graph: Graph) -> Node:
+        if isinstance(atom, core.Literal):
+            return self._constant(atom.aval, atom.val, JaxprRef(path, index, None), graph)
+        return env[atom]
+
+    def _eqns(self, jaxpr: core.Jaxpr, env: dict, path: Path, graph: Graph) -> None:
+        for index, eqn in enumerate(jaxpr.eqns):
+            inputs = [self._read(a, env, path, index, graph) for a in eqn.invars]
+            prim = eqn.primitive.name
+            if prim in INLINED and INLINED[prim] in eqn.params:
+                self._inline(eqn, index, inputs, env, path, graph)
+                continue
+            if prim in REGIONS:
+                for param in REGIONS[prim]:
+                    subs = eqn.params[param]
+                    named = ([(f"{param}[{j}]", s) for j, s in enumerate(subs)]
+                             if isinstance(subs, (tuple, list)) else [(param, subs)])
+                    for name, sub in named:
+                        self.region(sub.jaxpr, list(sub.consts), path + ((index, name),))
+            op, params, order = _normalize(eqn)
+            if order is not None:
+                inputs = [inputs[i] for i in order]
+            source = _source(eqn)
+            for i, v in enumerate(eqn.outvars):
+                node = Node(op, tuple(inputs), tuple(v.aval.shape), str(v.aval.dtype),
+                            dict(params, index=i) if len(eqn.outvars) > 1 else params,
+                            source, JaxprRef(path, index, v))
+                graph.nodes.append(node)
+                env[v] = node
+
+    def _inline(self, eqn: core.JaxprEqn, index: int, inputs: list[Node], env: dict,
+                path: Path, graph: Graph) -> None:
+        param = INLINED[eqn.primitive.name]
+        sub = eqn.params[param]
+        inner_path = path + ((index, param),)
+        inner, consts = (sub.jaxpr, sub.consts) if isinstance(sub, core.ClosedJaxpr) else (
+            sub, [])
+        inner_env: dict[Any, Node] = {}
+        for v, c in zip(inner.constvars, consts):
+            inner_env[v] = self._constant(v.aval, c, JaxprRef(inner_path, -1, v), graph)
+        for v, node in zip(inner.invars, inputs):
+            inner_env[v] = node
+            if isinstance(node.ref, JaxprRef):
+                node.ref.aliases.append((inner_path, -1, v))
+        self._eqns(inner, inner_env, inner_path, graph)
+        for outer, v in zip(eqn.outvars, inner.outvars):
+            node = self._read(v, inner_env, inner_path, -1, graph)
+            env[outer] = node
+            if isinstance(node.ref, JaxprRef):
+                node.ref.aliases.append((path, index, outer))
+
+
+def regions(closed: core.ClosedJaxpr) -> list[Graph]:
+    """The normalized graphs of a program: the top level first, then nested bodies."""
+    builder = _Builder()
+    builder.region(closed.jaxpr, list(closed.consts), ())
+    return builder.regions
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandVar:
+    """q, k or v as a jaxpr variable at the site's level, and how to make it canonical."""
+
+    var: Any
+    layout: Layout  # layout.to_canonical(x) -> [B, L, H, D]; v: [B, Lk, Hkv, Dv]
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskVar:
+    """A mask in kernel terms (see `attention.MaskTerm`), with jaxpr variables.
+
+    kind "causal": the kernel's causal flag; `var` is None.
+    kind "additive": scores + sign * broadcast_to(var, at_shape), mapped to
+        [B, Hq, Lq, Lk] by `scores_layout.to_canonical`.
+    kind "boolean": where(broadcast_to(var, at_shape) == keep_when, scores, fill);
+        `key_lengths` is set when the mask is iota(Lk) < lengths.
+    """
+
+    kind: str
+    var: Any | None
+    at_shape: tuple[int, ...]
+    scores_layout: Layout
+    sign: float = 1.0
+    fill: float | None = None
+    keep_when: bool = True
+    key_lengths: Any | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxprSite:
+    """One attention site of a jaxpr, in the terms a trace-time rewrite needs.
+
+    path      where the site lives: `jaxpr_at(closed, path)` is the jaxpr holding it.
+    eqns      indices in that jaxpr of the equations forming it; a call equation is listed
+              when any part of the site is inside it.
+    q, k, v   the variables entering the site (before the transposes, head repeats and
+              constant pre-scaling it follows) and their canonical layouts.
+    out       the variable holding the result of the second contraction, laid out as
+              `out_layout.from_canonical(y)` for y: [B, Lq, Hq, Dv].
+    scale     what multiplies q·kᵀ (1.0 when unscaled); causal: a causal mask is present.
+    masks     every mask step, in kernel terms.
+    intermediates  variables the site's equations define besides `out`; a rewrite that
+              drops the equations must refuse if any of them is used elsewhere (`escaping`).
+    A var is None where the value is not visible at the site's level.
+    """
+
+    site: AttentionSite
+    path: Path
+    eqns: tuple[int, ...]
+    q: OperandVar
+    k: OperandVar
+    v: OperandVar
+    out: Any
+    out_layout: Layout
+    scale: float
+    causal: bool
+    masks: tuple[MaskVar, ...]
+    intermediates: frozenset
+    escaping: frozenset  # intermediates read by equations outside the site or returned
+    match: Match = dataclasses.field(repr=False)
+
+
+def _site_level(nodes: tuple[Node, ...]) -> Path:
+    paths = [n.ref.path for n in nodes if isinstance(n.ref, JaxprRef) and n.ref.var is not None]
+    common = paths[0] if paths else ()
+    for p in paths[1:]:
+        n = 0
+        while n < min(len(common), len(p)) and common[n] == p[n]:
+            n += 1
+        common = common[:n]
+    return common
+
+
+def _to_jaxpr_site(closed: core.ClosedJaxpr, match: Match) -> JaxprSite:
+    body = [n for n in match.body if isinstance(n.ref, JaxprRef)]
+    level = _site_level(tuple(n for n in body if n.op not in ("constant", "parameter")))
+    eqns = set()
+    for n in body:
+        if n.op == "parameter" or n.ref.index < 0 and len(n.ref.path) <= len(level):
+            continue
+        if n.ref.path[:len(level)] != level:
+            continue
+        eqns.add(n.ref.path[len(level)][0] if len(n.ref.path) > len(level) else n.ref.index)
+    eqns.discard(-1)
+    jaxpr = jaxpr_at(closed, level)
+
+    def var(node: Node | None) -> Any | None:
+        return node.ref.var_at(level) if node is not None else None
+
+    out = var(match.out)
+    defined = {v for i in eqns for v in jaxpr.eqns[i].outvars} - {out}
+    used_outside = {v for i, e in enumerate(jaxpr.eqns) if i not in eqns for v in e.invars
+                    if not isinstance(v, core.Literal)} | {
+        v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
+    masks = tuple(
+        MaskVar(t.kind, var(t.operand), t.at.shape, t.scores_layout, t.sign, t.fill,
+                t.keep_when, var(t.key_lengths))
+        for t in match.masks)
+    return JaxprSite(
+        site=match.site, path=level, eqns=tuple(sorted(eqns)),
+        q=OperandVar(var(match.q.node), match.q.layout),
+        k=OperandVar(var(match.k.node), match.k.layout),
+        v=OperandVar(var(match.v.node), match.v.layout),
+        out=out, out_layout=match.out_layout, scale=match.scale,
+        causal=any(t.kind == "causal" for t in match.masks), masks=masks,
+        intermediates=frozenset(defined), escaping=frozenset(defined & used_outside),
+        match=match,
+    )
+
+
+def detect_jaxpr(closed: core.ClosedJaxpr, function: str = "") -> list[JaxprSite]:
+    """Every attention site in `closed`, nested bodies included, in program order."""
+    if not isinstance(closed, core.ClosedJaxpr):
+        raise HlotoolError(f"detect_jaxpr needs a ClosedJaxpr, got {type(closed).__name__}")
+    sites = []
+    for graph in regions(closed):
+        sites.extend(_to_jaxpr_site(closed, m) for m in find(graph, function))
+    return sites
+
+
+def detect_function(fn: Callable, *args: Any, **kwargs: Any) -> list[JaxprSite]:
+    """Trace `fn(*args, **kwargs)` with `jax.make_jaxpr` and detect its sites."""
+    import jax
+
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    return detect_jaxpr(closed, getattr(fn, "__name__", type(fn).__name__))

@@ -1,0 +1,192 @@
+"""The normalized op graph both detection front ends produce.
+
+HLO instructions and jaxpr equations are adapted into `Node`s with one vocabulary, so the
+attention pattern (`passes/attention.py`) is written once:
+
+  dot_general   params lhs_contract, rhs_contract, lhs_batch, rhs_batch (axis tuples)
+  reduce_max, reduce_sum   params axes
+  broadcast     params dims (operand axis i becomes output axis dims[i])
+  transpose     params perm (output axis i is operand axis perm[i])
+  reshape, convert, copy, stop_gradient
+  select        inputs (pred, on_true, on_false)
+  compare       params direction in {"eq", "ne", "lt", "le", "gt", "ge"}
+  iota          params dimension
+  constant      params value (numpy array, or None when the front end could not read it)
+  parameter     a value entering the graph from outside
+  exp, sub, add, mul, div, neg, max, min, and, or, not, sqrt, rsqrt, ...  elementwise
+Anything else keeps its own op name and is opaque to the pattern.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+# Unary ops that only move, cast or relabel data: the pattern looks through them.
+LAYOUT_OPS = frozenset(
+    {"convert", "copy", "stop_gradient", "reduce_precision", "broadcast", "reshape", "transpose"}
+)
+
+# Refuse to constant-fold anything larger: masks are folded only to classify them.
+MAX_FOLD_ELEMENTS = 1 << 24
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    """One value in the normalized graph: the op that produced it and its type."""
+
+    op: str
+    inputs: tuple[Node, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: str = ""  # "path:line" of the user code that produced it, when known
+    ref: Any = None  # the front end's handle (jaxpr location or HLO instruction name)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __repr__(self) -> str:
+        return f"Node({self.op}, {self.dtype}{list(self.shape)}, ref={self.ref!r})"
+
+
+@dataclasses.dataclass
+class Graph:
+    """Nodes of one program region in definition order, plus where the region sits.
+
+    `path` locates the region inside its program (jaxpr: the chain of equations and
+    parameters leading to a nested scan/while/cond body; HLO: the computation name).
+    """
+
+    nodes: list[Node]
+    path: tuple[Any, ...] = ()
+
+    def anchors(self, op: str) -> Iterator[Node]:
+        return (n for n in self.nodes if n.op == op)
+
+
+def strip(node: Node, ops: Iterable[str] = ("convert", "copy", "stop_gradient")) -> Node:
+    """The node under any chain of the given unary ops."""
+    ops = frozenset(ops)
+    while node.op in ops and node.inputs:
+        node = node.inputs[0]
+    return node
+
+
+def fold(node: Node) -> np.ndarray | None:
+    """The value of `node` if it depends only on constants and iotas, else None.
+
+    Broadcasts stay numpy views, so folding a [Lq, Lk] mask broadcast to [B, H, Lq, Lk]
+    costs [Lq, Lk]; anything that would materialize more than MAX_FOLD_ELEMENTS is refused.
+    At most FOLD_BUDGET nodes are visited, which keeps detection linear in program size:
+    masks and scales are small expressions, and a value computed from the program's inputs
+    is given up on after the budget.
+    """
+    try:
+        return _fold_memo(node, {})
+    except _OverBudget:
+        return None
+
+
+FOLD_BUDGET = 256
+
+
+class _OverBudget(Exception):
+    pass
+
+
+def _fold_memo(node: Node, memo: dict[int, np.ndarray | None]) -> np.ndarray | None:
+    key = id(node)
+    if key not in memo:
+        if len(memo) >= FOLD_BUDGET:
+            raise _OverBudget
+        memo[key] = None
+        try:
+            memo[key] = _fold(node, memo)
+        except (ValueError, TypeError, FloatingPointError, OverflowError, KeyError):
+            memo[key] = None
+    return memo[key]
+
+
+_BINARY = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+    "max": np.maximum, "min": np.minimum, "and": np.logical_and, "or": np.logical_or,
+    "pow": np.power, "rem": np.remainder,
+}
+_UNARY = {
+    "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "abs": np.abs,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x), "not": np.logical_not, "floor": np.floor,
+    "ceil": np.ceil, "sign": np.sign,
+}
+_COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+            "gt": np.greater, "ge": np.greater_equal}
+
+
+def _np_dtype(dtype: str) -> Any:
+    return np.dtype("float32") if dtype in ("bfloat16", "float16") else np.dtype(dtype)
+
+
+def _fold(node: Node, memo: dict) -> np.ndarray | None:
+    op = node.op
+    if op == "constant":
+        value = node.params.get("value")
+        return None if value is None else np.broadcast_to(np.asarray(value), node.shape)
+    if op == "iota":
+        if node.size > MAX_FOLD_ELEMENTS:
+            return None
+        dim = node.params["dimension"]
+        ar = np.arange(node.shape[dim], dtype=_np_dtype(node.dtype))
+        view = [1] * len(node.shape)
+        view[dim] = node.shape[dim]
+        return np.broadcast_to(ar.reshape(view), node.shape)
+    if not node.inputs:
+        return None
+    args = []
+    for x in node.inputs:
+        args.append(_fold_memo(x, memo))
+        if args[-1] is None:
+            return None
+    if op == "broadcast":
+        (x,) = args
+        view = [1] * len(node.shape)
+        for i, d in enumerate(node.params["dims"]):
+            view[d] = x.shape[i]
+        return np.broadcast_to(x.reshape(view), node.shape)
+    if op == "transpose":
+        return np.transpose(args[0], node.params["perm"])
+    if op in ("convert", "copy", "stop_gradient", "reduce_precision"):
+        return args[0].astype(_np_dtype(node.dtype), copy=False)
+    if op == "reshape":
+        return _guard(np.reshape(args[0], node.shape))
+    if op == "select":
+        return _guard(np.where(*args))
+    if op == "compare":
+        return _guard(_COMPARE[node.params["direction"]](*args))
+    if op == "integer_pow":
+        return _guard(np.power(args[0], node.params["y"]))
+    if op in _BINARY:
+        with np.errstate(all="ignore"):
+            return _guard(np.asarray(_BINARY[op](*args)))
+    if op in _UNARY:
+        with np.errstate(all="ignore"):
+            return _guard(np.asarray(_UNARY[op](*args)))
+    return None
+
+
+def _guard(x: np.ndarray) -> np.ndarray | None:
+    return x if x.size <= MAX_FOLD_ELEMENTS else None
+
+
+def uniform_value(node: Node) -> float | None:
+    """The single value every element of a constant node holds, else None."""
+    source = strip(node, ("broadcast", "convert", "reshape", "copy"))
+    value = fold(source)
+    if value is None or value.size == 0:
+        return None
+    first = value.flat[0]
+    if value.size > 1 and not np.all(value == first):
+        return None
+    return float(first)

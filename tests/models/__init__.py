@@ -1,0 +1,1 @@
+"""Small attention programs the detection tests run through both front ends."""
