@@ -1,0 +1,139 @@
+"""Pallas GPU (Triton) flash attention: an adapter over
+`jax.experimental.pallas.ops.gpu.attention.mha`.
+
+Upstream takes [B, L, H, D] with equal head counts and one head dim for q, k, v, lengths
+divisible by its blocks (128, or the whole length when shorter), causal masking and ONE
+segment-id array [B, L] indexed by both query and key position. The adapter bridges:
+  - layout: transposes from [B, H, L, D] when asked;
+  - lengths: pads Lq and Lk to one common multiple of 128 and gives the padded tail its own
+    segment id. That masks padded keys for every real query only when Lq ≤ Lk (query i and
+    key i share the id at position i), so Lq > Lk needs Lk already a multiple of the block;
+  - head dims: zero-pads D and Dv to one size;
+  - GQA/MQA: repeats K/V heads.
+It refuses (with the reason) what one shared segment-id array cannot express: additive bias,
+boolean masks and kv_lengths. Gradients come from upstream's custom VJP.
+
+Upstream builds its `pallas_call`s without a `cost_estimate`, and even with one this jax's
+Triton lowering discards it (`jax/_src/pallas/triton/pallas_call_registration.py` deletes the
+argument), so XLA:GPU sees these calls as opaque; `cost()` is the only estimate.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hlotool.kernels._upstream import probe
+from hlotool.kernels.base import (
+    AttentionKernel,
+    Call,
+    Features,
+    KernelCost,
+    Support,
+    flash_cost,
+)
+from hlotool.site import AttentionSite
+
+UPSTREAM = "jax.experimental.pallas.ops.gpu.attention"
+_BLOCK = 128
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _plan(lq: int, lk: int) -> tuple[int, int, bool] | None:
+    """(padded Lq, padded Lk, needs segment ids), or None when padding cannot be masked."""
+    fits = lambda n: n <= _BLOCK or n % _BLOCK == 0  # noqa: E731
+    if fits(lq) and fits(lk):
+        return lq, lk, False
+    if lq > lk and not fits(lk):
+        return None
+    if lq > lk:  # only the queries need padding; padded query rows are dropped
+        return _round_up(lq, _BLOCK), lk, False
+    common = _round_up(lk, _BLOCK)
+    return common, common, True
+
+
+def _backward_blocks(lq: int, lk: int) -> tuple[int, int] | None:
+    """(query, key) blocks of upstream's fused backward, which needs as many query blocks as
+    key blocks (Triton tiles are powers of two); None when the lengths allow none."""
+    n = min(lq, lk) // min(32, lq, lk)
+    if lq % n or lk % n or not (_pow2(lq // n) and _pow2(lk // n)):
+        return None
+    return lq // n, lk // n
+
+
+class PallasGpuFlash(AttentionKernel):
+    """JAX's Pallas Triton flash attention (`mha`) behind the common interface.
+
+    interpret: run through Pallas' interpreter (for tests off a GPU).
+    """
+
+    name = "pallas_gpu"
+    platforms = ("cuda",)
+
+    def __init__(self, interpret: bool = False) -> None:
+        self.interpret = interpret
+        self._upstream, self._reason = probe(
+            UPSTREAM, "mha",
+            ("q", "k", "v", "segment_ids", "sm_scale", "causal", "block_sizes", "interpret"),
+            ("BlockSizes",),
+        )
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        return self._reason
+
+    def _check(self, site: AttentionSite, features: Features) -> Support:
+        if features.bias or features.mask or features.kv_lengths:
+            kind = ("additive bias" if features.bias else
+                    "boolean mask" if features.mask else "kv_lengths")
+            return Support.no(f"{kind} unsupported (upstream mha takes only causal and one "
+                              "segment-id array shared by queries and keys)")
+        plan = _plan(site.q_len, site.kv_len)
+        if plan is None:
+            return Support.no(f"q length {site.q_len} > kv length {site.kv_len}, and kv "
+                              f"length is not a multiple of {_BLOCK}: padded keys cannot be "
+                              "masked")
+        if _backward_blocks(plan[0], plan[1]) is None:
+            return Support.no(f"padded lengths q {plan[0]}, kv {plan[1]} split into no equal "
+                              "number of power-of-two blocks (upstream's fused backward)")
+        return Support.yes()
+
+    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
+        lq_p, lk_p, _ = _plan(site.q_len, site.kv_len) or (site.q_len, site.kv_len, False)
+        return flash_cost(site, block_q=min(_BLOCK, lq_p), block_k=min(_BLOCK, lk_p),
+                          backward=backward,
+                          kv_head_repeat=site.num_q_heads // site.num_kv_heads)
+
+    def _attend(self, call: Call) -> jax.Array:
+        b, lq, hq, d = call.q.shape
+        lk, hkv, dv = call.k.shape[1], call.k.shape[2], call.v.shape[3]
+        lq_p, lk_p, segmented = _plan(lq, lk)
+        d_p = max(d, dv)
+
+        def prep(x, length):
+            if x.shape[2] != hq:
+                x = jnp.repeat(x, hq // x.shape[2], axis=2)
+            return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0),
+                               (0, d_p - x.shape[3])))
+
+        q, k, v = prep(call.q, lq_p), prep(call.k, lk_p), prep(call.v, lk_p)
+        segment_ids = None
+        if segmented:
+            tail = (jnp.arange(lk_p) >= lk).astype(jnp.int32)
+            segment_ids = jnp.broadcast_to(tail, (b, lk_p))
+        mha = self._upstream
+        bwd_q, bwd_k = _backward_blocks(lq_p, lk_p)
+        blocks = mha.BlockSizes(
+            block_q=min(_BLOCK, lq_p), block_k=min(_BLOCK, lk_p),
+            block_q_dkv=bwd_q, block_kv_dkv=bwd_k, block_q_dq=bwd_q, block_kv_dq=bwd_k,
+        )
+        out = mha.mha(q, k, v, segment_ids, sm_scale=call.scale, causal=call.causal,
+                      block_sizes=blocks, interpret=self.interpret)
+        return out[:, :lq, :, :dv]

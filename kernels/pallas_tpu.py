@@ -1,0 +1,146 @@
+"""Pallas TPU flash attention: an adapter over `jax.experimental.pallas.ops.tpu.flash_attention`.
+
+Upstream takes q, k, v as [B, H, L, D] with equal head counts and equal head dims, lengths
+divisible by its blocks, head dims ≤ 128 or multiples of 128, an optional dense bias `ab`
+[B, H, Lq, Lk] and `SegmentIds`. The adapter bridges the rest:
+  - layout: transposes from [B, L, H, D];
+  - lengths: pads Lq and Lk up to a multiple of 128 and masks the padded keys with segment ids
+    (so L=1000 works); blocks of 512/256/128 are chosen per padded length;
+  - head dims: zero-pads D and Dv to one common size upstream accepts (zero columns change
+    neither the scores nor the kept output columns);
+  - GQA/MQA: repeats K/V heads (upstream has no grouped heads; the cost counts the copies);
+  - kv_lengths: segment ids (q id 1; kv id 1 below the length, 0 beyond), not a dense bias;
+  - boolean masks: folded into the dense bias `ab` as a large negative value;
+  - scale: applied to q, since upstream scales the bias together with q·kᵀ;
+  - rows with no visible key: set to zero after the kernel (upstream would average them).
+Gradients (dq, dk, dv, dbias) come from upstream's custom VJP.
+
+Off a TPU it runs only in Pallas' TPU interpret mode
+(`with jax.experimental.pallas.tpu.force_tpu_interpret_mode(True):`), slowly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hlotool.kernels._upstream import probe
+from hlotool.kernels.base import (
+    AttentionKernel,
+    Call,
+    Features,
+    KernelCost,
+    Support,
+    flash_cost,
+    row_has_key,
+    zero_invalid_keys,
+)
+from hlotool.site import AttentionSite
+
+UPSTREAM = "jax.experimental.pallas.ops.tpu.flash_attention"
+_LANES = 128
+# Upstream's own mask value: finite, so a fully masked row cannot produce inf - inf.
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def padded_length(length: int) -> int:
+    return _round_up(length, _LANES)
+
+
+def block_for(padded: int) -> int:
+    """Largest of 512/256/128 dividing a padded length (bigger tiles amortize grid steps)."""
+    return next(b for b in (512, 256, 128) if padded % b == 0)
+
+
+def padded_head_dim(d: int, dv: int) -> int:
+    """One head dim for q, k and v that upstream accepts: ≤ 128, or a multiple of 128."""
+    d = max(d, dv)
+    return d if d <= _LANES else _round_up(d, _LANES)
+
+
+class PallasTpuFlash(AttentionKernel):
+    """JAX's Pallas TPU flash attention behind the common interface."""
+
+    name = "pallas_tpu"
+    platforms = ("tpu",)
+
+    def __init__(self) -> None:
+        self._upstream, self._reason = probe(
+            UPSTREAM, "flash_attention",
+            ("q", "k", "v", "ab", "segment_ids", "causal", "sm_scale", "block_sizes"),
+            ("BlockSizes", "SegmentIds"),
+        )
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        return self._reason
+
+    def _check(self, site: AttentionSite, features: Features) -> Support:
+        if site.dtype not in ("float32", "bfloat16"):
+            return Support.no(f"dtype {site.dtype} unsupported (TPU flash takes float32, "
+                              "bfloat16)")
+        return Support.yes()
+
+    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
+        bq, bk = block_for(padded_length(site.q_len)), block_for(padded_length(site.kv_len))
+        cost = flash_cost(site, block_q=bq, block_k=bk, backward=backward,
+                          kv_head_repeat=site.num_q_heads // site.num_kv_heads)
+        if site.mask in ("additive", "boolean"):
+            # Upstream reads the dense [B, H, Lq, Lk] f32 bias tile by tile (and writes dbias).
+            ab = 4 * site.batch * site.num_q_heads * site.q_len * site.kv_len
+            cost += KernelCost(0, 0, ab * (3 if backward else 1), 0)
+        return cost
+
+    def _attend(self, call: Call) -> jax.Array:
+        fa = self._upstream
+        has_key = row_has_key(call)
+        call = zero_invalid_keys(call)
+        b, lq, hq, d = call.q.shape
+        lk, hkv, dv = call.k.shape[1], call.k.shape[2], call.v.shape[3]
+        lq_p, lk_p, d_p = padded_length(lq), padded_length(lk), padded_head_dim(d, dv)
+
+        def prep(x, length, heads):
+            x = jnp.swapaxes(x, 1, 2)  # [B, H, L, D]
+            if heads != hq:
+                x = jnp.repeat(x, hq // heads, axis=1)
+            return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]),
+                               (0, d_p - x.shape[3])))
+
+        # Upstream scales (q·kᵀ + ab) as a whole; scaling q instead keeps the bias unscaled.
+        q = prep(call.q * jnp.asarray(call.scale, call.q.dtype), lq_p, hq)
+        k, v = prep(call.k, lk_p, hkv), prep(call.v, lk_p, hkv)
+
+        ab = None
+        if call.bias is not None or call.mask is not None:
+            ab = jnp.zeros((1, 1, 1, 1), jnp.float32)
+            if call.bias is not None:
+                ab = ab + call.bias.astype(jnp.float32)
+            if call.mask is not None:
+                ab = jnp.where(call.mask, ab, _MASKED)
+            ab = jnp.broadcast_to(ab, (b, hq, lq, lk))
+            ab = jnp.pad(ab, ((0, 0), (0, 0), (0, lq_p - lq), (0, lk_p - lk)))
+
+        segment_ids = None
+        if call.kv_lengths is not None or lk_p != lk:
+            length = jnp.full((b,), lk) if call.kv_lengths is None else call.kv_lengths
+            kv_ids = (jnp.arange(lk_p)[None, :] < jnp.minimum(length, lk)[:, None])
+            segment_ids = fa.SegmentIds(q=jnp.ones((b, lq_p), jnp.int32),
+                                        kv=kv_ids.astype(jnp.int32))
+
+        bq, bk = block_for(lq_p), block_for(lk_p)
+        blocks = fa.BlockSizes(
+            block_q=bq, block_k_major=bk, block_k=bk, block_b=1,
+            block_q_major_dkv=bq, block_k_major_dkv=bk, block_k_dkv=bk, block_q_dkv=bq,
+            block_k_major_dq=bk, block_k_dq=bk, block_q_dq=bq,
+        )
+        out = fa.flash_attention(q, k, v, ab, segment_ids, causal=call.causal,
+                                 sm_scale=1.0, block_sizes=blocks)
+        out = jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)  # [B, Lq, Hq, Dv]
+        if has_key is not None:
+            out = jnp.where(jnp.swapaxes(has_key, 1, 2), out, 0)
+        return out

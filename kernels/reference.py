@@ -1,0 +1,75 @@
+"""The naive formula, `softmax(scale·q·kᵀ + bias, masked)·v`: the definition of the kernels'
+semantics, the oracle of their tests and the "native" side of comparisons.
+
+It materializes the [B, Hq, Lq, Lk] scores; gradients come from autodiff.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hlotool.kernels.base import (
+    AttentionKernel,
+    Call,
+    Features,
+    KernelCost,
+    Support,
+    naive_cost,
+    zero_invalid_keys,
+)
+from hlotool.site import AttentionSite
+
+
+def visible_keys(call: Call) -> jax.Array | None:
+    """bool, broadcastable to [B, Hq, Lq, Lk]: which keys each query sees; None for all."""
+    lq, lk = call.q.shape[1], call.k.shape[1]
+    visible = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
+    if call.mask is not None:
+        visible = call.mask
+    if call.causal:
+        visible = both(visible, np.arange(lk)[None, :] <= np.arange(lq)[:, None])
+    if call.kv_lengths is not None:
+        visible = both(visible, np.arange(lk) < call.kv_lengths[:, None, None, None])
+    return visible
+
+
+class Reference(AttentionKernel):
+    """Naive attention in float32 at HIGHEST matmul precision, any shape and mask."""
+
+    name = "reference"
+    platforms = ("cpu", "tpu", "cuda")
+
+    def _check(self, site: AttentionSite, features: Features) -> Support:
+        return Support.yes()
+
+    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
+        return naive_cost(site, backward=backward)
+
+    def _attend(self, call: Call) -> jax.Array:
+        call = zero_invalid_keys(call)
+        b, lq, hq, d = call.q.shape
+        hkv = call.k.shape[2]
+        f32 = jnp.float32
+        q = call.q.astype(f32).reshape(b, lq, hkv, hq // hkv, d)
+        hi = jax.lax.Precision.HIGHEST
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", q, call.k.astype(f32), precision=hi)
+        s = (s * call.scale).reshape(b, hq, lq, -1)
+        if call.bias is not None:
+            s = s + call.bias.astype(f32)
+        visible = visible_keys(call)
+        if visible is not None:
+            s = jnp.where(visible, s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        # A row with no visible key has m = -inf; shifting by 0 keeps its exps at 0, not NaN.
+        p = jnp.exp(s - jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0)))
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        p = p / jnp.where(denom == 0, 1.0, denom)
+        p = p.reshape(b, hkv, hq // hkv, lq, -1)
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", p, call.v.astype(f32), precision=hi)
+        return out.reshape(b, lq, hq, -1).astype(call.q.dtype)
