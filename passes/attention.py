@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from hlotool.passes import axes
-from hlotool.passes.graph import Graph, Node, fold, strip, uniform_value
+from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, fold, strip, uniform_value
 from hlotool.passes.pattern import Alt, Any, Chain, Const, Link, Op, Same, Step, Through
 from hlotool.site import AttentionSite
 
@@ -139,9 +139,10 @@ class Match:
 def find(graph: Graph, function: str = "") -> list[Match]:
     """Every attention site in `graph`, in program order of its output contraction."""
     found = []
+    position = {id(n): i for i, n in enumerate(graph.nodes)}
     for root in graph.anchors("dot_general"):
         for m in ATTENTION.match(root, {}):
-            match = describe(m, function)
+            match = describe(m, position, function)
             if match is not None:
                 found.append(match)
                 break
@@ -156,10 +157,13 @@ class _Reject(Exception):
     """The structure matched but shapes say it is not attention."""
 
 
-def describe(m: dict, function: str = "") -> Match | None:
-    """Check a structural match along its axes and describe it; None if not attention."""
+def describe(m: dict, position: dict[int, int], function: str = "") -> Match | None:
+    """Check a structural match along its axes and describe it; None if not attention.
+
+    `position` maps id(node) to its index in program order.
+    """
     try:
-        return _describe(m, function)
+        return _describe(m, position, function)
     except _Reject:
         return None
 
@@ -199,7 +203,7 @@ def _follow(path: tuple[Link | Node, ...], labels: axes.Labels) -> axes.Labels:
     return labels
 
 
-def _describe(m: dict, function: str) -> Match:
+def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     scores, out = m["scores"], m["out"]
     dn = scores.params
     left = _operand_labels(scores.inputs[0], dn["lhs_batch"], dn["lhs_contract"], "l")
@@ -210,9 +214,15 @@ def _describe(m: dict, function: str) -> Match:
     logits_links = m["logits_path"]
     logits_labels = _follow(logits_links, score_labels)
     reduced = set(m["row_sum"].params["axes"])
-    if "row_max" in m and set(m["row_max"].params["axes"]) != reduced:
-        raise _Reject
     key_tokens = frozenset().union(*(logits_labels[a] for a in reduced))
+    if "row_max" in m:
+        # The max may read the logits in another layout (jax.nn.dot_product_attention).
+        max_in = _labels_on_chain(m["row_max"].inputs[0], scores, score_labels, logits_links)
+        if frozenset().union(*(max_in[a] for a in m["row_max"].params["axes"])) != key_tokens:
+            raise _Reject
+    for link in logits_links:
+        if any(_depends_on(side, scores, position) for side in link.sides):
+            raise _Reject  # a "bias" computed from the scores themselves
     kinds = {t[0] for t in key_tokens}
     if len(key_tokens) != 1 or kinds not in ({"l"}, {"r"}):
         raise _Reject
@@ -316,6 +326,38 @@ def _describe(m: dict, function: str) -> Match:
         out=out, out_layout=out_layout, scale=scale, masks=tuple(masks),
         body=_body(out, stops), internals=internals,
     )
+
+
+def _labels_on_chain(node: Node, scores: Node, score_labels: axes.Labels,
+                     links: tuple[Link, ...]) -> axes.Labels:
+    """Labels of a node reached from the logits chain through layout ops only."""
+    known = {id(scores): score_labels}
+    labels = score_labels
+    for link in reversed(links):
+        labels = axes.forward(link.node, labels) if link.kind == "layout" else labels
+        known[id(link.node)] = labels
+    above = []
+    while id(node) not in known:
+        if node.op not in LAYOUT_OPS or not node.inputs:
+            raise _Reject
+        above.append(node)
+        node = node.inputs[0]
+    return _follow(tuple(above), known[id(node)])
+
+
+def _depends_on(node: Node, target: Node, position: dict[int, int]) -> bool:
+    """True if `node` is computed from `target` (nodes defined before it cannot be)."""
+    start = position.get(id(target), -1)
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is target:
+            return True
+        if id(n) in seen or position.get(id(n), -1) <= start:
+            continue
+        seen.add(id(n))
+        stack.extend(n.inputs)
+    return False
 
 
 def _trace(node: Node, labels: axes.Labels, qside: str, head_token
@@ -505,6 +547,8 @@ class _Roles:
                         dtype=np.int64))
             for i in range(len(order)))
         roles = "".join(r for _, r, _ in virtual)
+        if "H" not in roles:
+            roles = roles.replace("G", "H")  # MQA: the query heads are all group axes
         return Layout(tuple(shape), roles, tuple(n for n, _, _ in virtual), perm, canonical)
 
 

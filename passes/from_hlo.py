@@ -14,7 +14,7 @@ import numpy as np
 from hlotool.errors import HlotoolError
 from hlotool.hlo import Computation, Instruction, Module, parse_module
 from hlotool.passes.attention import Match, find
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, user_source
 from hlotool.site import AttentionSite
 
 _DTYPES = {
@@ -83,10 +83,10 @@ def _graph(comp: Computation, module: Module) -> Graph:
         dtype = "tuple" if shape.is_tuple else _DTYPES.get(shape.element_type,
                                                             shape.element_type)
         dims = tuple(shape.dims)
-        source = env.get(inst.operands[0]) if inst.operands else None
-        if inst.opcode == "get-tuple-element" and source is not None and source.op == "tuple":
+        first = env.get(inst.operands[0]) if inst.operands else None
+        if inst.opcode == "get-tuple-element" and first is not None and first.op == "tuple":
             # An inlined call returning a tuple: read the element itself.
-            env[inst.name] = source.inputs[int(inst.attributes["index"])]
+            env[inst.name] = first.inputs[int(inst.attributes["index"])]
             continue
         if inst.opcode == "constant":
             node = Node("constant", (), dims, dtype,
@@ -96,7 +96,8 @@ def _graph(comp: Computation, module: Module) -> Graph:
             inputs = tuple(env[o] for o in operands if o in env)
             if len(inputs) != len(operands):
                 op = inst.opcode  # an operand from elsewhere: keep the node opaque
-            node = Node(op, inputs, dims, dtype, params, inst.source or "", inst.name)
+            source = user_source((f.file, f.line) for f in inst.stack)
+            node = Node(op, inputs, dims, dtype, params, source, inst.name)
         env[inst.name] = node
         graph.nodes.append(node)
     return graph

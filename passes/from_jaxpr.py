@@ -20,7 +20,7 @@ from jax._src import core, source_info_util
 
 from hlotool.errors import HlotoolError
 from hlotool.passes.attention import Layout, Match, find
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, user_source
 from hlotool.site import AttentionSite
 
 Path = tuple[tuple[int, str], ...]
@@ -72,8 +72,8 @@ def jaxpr_at(closed: core.ClosedJaxpr, path: Path) -> core.Jaxpr:
 
 
 def _source(eqn: core.JaxprEqn) -> str:
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
-    return f"{frame.file_name}:{frame.start_line}" if frame is not None else ""
+    frames = source_info_util.user_frames(eqn.source_info.traceback)
+    return user_source((f.file_name, f.start_line) for f in frames)
 
 
 def _normalize(eqn: core.JaxprEqn) -> tuple[str, dict[str, Any], tuple[int, ...] | None]:

@@ -6,7 +6,7 @@ yield every way they match as a `Bindings` dict (backtracking through alternativ
   Op("exp", x)                      node.op == "exp" and its operand matches x
   Op("mul", a, b, commutative=True) also tries the operands swapped
   Any("q")                          anything; binds the node to "q"
-  Same("logits")                    the node already bound to "logits" (modulo casts)
+  Same("logits")                    the node bound to "logits", modulo layout ops
   Const(pred)                       a node that folds to one value with pred(value) true
   Alt(p1, p2)                       either
   Through(p)                        p, under any chain of layout ops (casts, reshapes, ...)
@@ -55,7 +55,7 @@ class Same(Pattern):
 
     def match(self, node: Node, m: Bindings) -> Iterator[Bindings]:
         bound = m.get(self.name)
-        if bound is not None and strip(bound) is strip(node):
+        if bound is not None and strip(bound, LAYOUT_OPS) is strip(node, LAYOUT_OPS):
             yield m
 
 

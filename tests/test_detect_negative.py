@@ -68,6 +68,12 @@ def normalized_by_other_axis(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", e / e.sum(-2, keepdims=True), v)
 
 
+def max_over_other_axis(q, k, v):
+    s = scores(q, k)
+    e = jnp.exp(s - s.max(-2, keepdims=True))
+    return jnp.einsum("bhqk,bkhd->bqhd", e / e.sum(-1, keepdims=True), v)
+
+
 def router_top_k(x, w_router, experts):
     """A mixture-of-experts router: softmax over experts, then top-k, then a combine."""
     probs = jax.nn.softmax(x @ w_router, axis=-1)  # [T, E]
@@ -82,6 +88,7 @@ CASES = [
     (linear_attention, (Q, K, V)), (linear_attention_quadratic, (Q, K, V)),
     (sigmoid_attention, (Q, K, V)), (log_softmax_attention, (Q, K, V)),
     (exp_without_normalization, (Q, K, V)), (normalized_by_other_axis, (Q, K, V)),
+    (max_over_other_axis, (Q, K, V)),
     (router_top_k, (jnp.ones((L, D)), jnp.ones((D, 6)), jnp.ones((6, D)))),
 ]
 

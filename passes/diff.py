@@ -1,0 +1,490 @@
+"""Structural diff of two HLO modules: which instructions a rewrite removed, added and kept.
+
+Instructions are matched by structure, never by name (XLA renumbers names on every
+lowering). The matching follows XLA's own ``hlo_diff`` tool (xla/hlo/tools/hlo_diff):
+
+1. the entry roots are mapped to each other when they agree in opcode and shape;
+2. exact subgraphs: every instruction gets a fingerprint of its opcode, shape, attributes
+   and, recursively, its operands' and called computations' fingerprints; equal
+   fingerprints are paired tallest first, and a paired subgraph maps node by node;
+3. top-down: operands at the same position of mapped instructions are mapped when their
+   opcode and shape agree (this reaches what sits *under* a changed subgraph);
+4. bottom-up: users of mapped instructions are mapped when they take the mapped operand at
+   the same position and agree in opcode, shape and attributes (this reaches the layers
+   *after* a swapped attention, whose fingerprints all changed).
+
+What stays unmatched is removed (before only) or added (after only). Connected removed and
+added instructions form `Region`s, the unit a report shows per attention site.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import difflib
+import graphlib
+from collections.abc import Iterable, Sequence
+
+import networkx as nx
+
+from hlotool.errors import HlotoolError
+from hlotool.hlo import Instruction, Module, node_id, parse_module, to_graph
+from hlotool.hlo.ir import CALLED_COMPUTATION_ATTRS, split_names
+from hlotool.hlo.printer import print_instruction
+from hlotool.site import AttentionSite
+
+# Attributes that say where an instruction came from, not what it computes.
+_IGNORED_ATTRS = frozenset({"metadata", *CALLED_COMPUTATION_ATTRS})
+# Longest attribute value the normalized text keeps (a Mosaic kernel body runs to megabytes).
+_MAX_ATTR_CHARS = 160
+
+KEPT, REMOVED, ADDED = "kept", "removed", "added"
+
+
+def _local_key(inst: Instruction) -> tuple:
+    """What an instruction computes, apart from its inputs."""
+    attrs = tuple(sorted((k, v) for k, v in inst.attributes.items() if k not in _IGNORED_ATTRS))
+    return (inst.opcode, str(inst.shape), inst.literal, inst.parameter_number, attrs)
+
+
+@dataclasses.dataclass
+class _Side:
+    """One module prepared for matching: graph, instructions by node id, fingerprints."""
+
+    module: Module
+    graph: nx.MultiDiGraph
+    inst: dict[str, Instruction]
+    order: dict[str, int]  # text position
+    fingerprint: dict[str, int]
+    height: dict[str, int]
+    local: dict[str, tuple]
+    callers: dict[str, list[str]]  # computation → node ids of instructions that call it
+
+    @classmethod
+    def build(cls, module: Module) -> _Side:
+        graph = to_graph(module)
+        inst = {n: d["instruction"] for n, d in graph.nodes(data=True)}
+        order = {n: i for i, n in enumerate(node_id(c.name, i.name)
+                                            for c in module.computations.values() for i in c)}
+        callers: dict[str, list[str]] = collections.defaultdict(list)
+        for comp in module.computations.values():
+            for i in comp:
+                for callee in i.called_computations:
+                    callers[callee].append(node_id(comp.name, i.name))
+        side = cls(module, graph, inst, order, {}, {}, {}, dict(callers))
+        side._fingerprint()
+        return side
+
+    def operands(self, n: str) -> list[str]:
+        comp = self.graph.nodes[n]["computation"]
+        return [node_id(comp, o) for o in self.inst[n].operands]
+
+    def callee_roots(self, n: str) -> list[str]:
+        comps = self.module.computations
+        return [node_id(c, comps[c].root.name) for c in self.inst[n].called_computations
+                if c in comps]
+
+    def users(self, n: str) -> list[tuple[str, int]]:
+        """(user, operand position) for every operand use of `n`."""
+        return [(v, d["index"]) for _, v, d in self.graph.out_edges(n, data=True)
+                if d["kind"] == "operand"]
+
+    def _fingerprint(self) -> None:
+        deps = {n: [*self.operands(n), *self.callee_roots(n)] for n in self.inst}
+        try:
+            ordered = list(graphlib.TopologicalSorter(deps).static_order())
+        except graphlib.CycleError as e:
+            raise HlotoolError(f"HLO module {self.module.name!r} has an operand cycle through "
+                               f"{e.args[1][0]}") from None
+        for n in ordered:
+            local = _local_key(self.inst[n])
+            self.local[n] = local
+            self.fingerprint[n] = hash((local, *(self.fingerprint[d] for d in deps[n])))
+            self.height[n] = 1 + max((self.height[d] for d in deps[n]), default=0)
+
+
+class _Matcher:
+    def __init__(self, a: _Side, b: _Side):
+        self.a, self.b = a, b
+        self.fwd: dict[str, str] = {}
+        self.back: dict[str, str] = {}
+
+    def free(self, x: str, y: str) -> bool:
+        return x not in self.fwd and y not in self.back
+
+    def pair(self, x: str, y: str) -> None:
+        self.fwd[x] = y
+        self.back[y] = x
+
+    def run(self) -> dict[str, str]:
+        ra = node_id(self.a.module.entry.name, self.a.module.entry.root.name)
+        rb = node_id(self.b.module.entry.name, self.b.module.entry.root.name)
+        self._exact()
+        if self.free(ra, rb) and self.a.local[ra][:2] == self.b.local[rb][:2]:
+            self.pair(ra, rb)
+        worklist = list(self.fwd.items())
+        while worklist:
+            more = self._top_down(worklist) + self._bottom_up(worklist)
+            worklist = more
+        return self.fwd
+
+    def _exact(self) -> None:
+        groups_b: dict[int, list[str]] = collections.defaultdict(list)
+        for n in sorted(self.b.inst, key=self.b.order.__getitem__):
+            groups_b[self.b.fingerprint[n]].append(n)
+        for x in sorted(self.a.inst, key=lambda n: (-self.a.height[n], self.a.order[n])):
+            if x in self.fwd:
+                continue
+            candidates = groups_b.get(self.a.fingerprint[x], [])
+            while candidates and candidates[0] in self.back:
+                candidates.pop(0)
+            if candidates:
+                self._map_subgraph(x, candidates.pop(0))
+
+    def _map_subgraph(self, x: str, y: str) -> None:
+        """Maps two instructions with equal fingerprints and everything beneath them."""
+        stack = [(x, y)]
+        while stack:
+            x, y = stack.pop()
+            if not self.free(x, y):
+                continue
+            self.pair(x, y)
+            stack.extend(zip(self.a.operands(x), self.b.operands(y)))
+            stack.extend(zip(self.a.callee_roots(x), self.b.callee_roots(y)))
+
+    def _top_down(self, pairs: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+        found = []
+        stack = list(pairs)
+        while stack:
+            x, y = stack.pop()
+            below = [*zip(self.a.operands(x), self.b.operands(y)),
+                     *zip(self.a.callee_roots(x), self.b.callee_roots(y))]
+            for ox, oy in below:
+                if self.free(ox, oy) and self.a.local[ox][:2] == self.b.local[oy][:2]:
+                    self.pair(ox, oy)
+                    found.append((ox, oy))
+                    stack.append((ox, oy))
+        return found
+
+    def _bottom_up(self, pairs: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+        found = []
+        stack = list(pairs)
+        while stack:
+            x, y = stack.pop()
+            users_b = [(u, i) for u, i in self.b.users(y) if u not in self.back]
+            for ux, index in sorted(self.a.users(x), key=lambda t: self.a.order[t[0]]):
+                if ux in self.fwd:
+                    continue
+                for uy, index_b in users_b:
+                    if (index_b == index and uy not in self.back
+                            and self.a.local[ux] == self.b.local[uy]):
+                        self.pair(ux, uy)
+                        found.append((ux, uy))
+                        stack.append((ux, uy))
+                        break
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Connected instructions the rewrite removed (node ids of `before`) and added (of `after`)."""
+
+    removed: frozenset[str]
+    added: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChangeStats:
+    """Counts that summarize a change. `score_buffers` counts values of the site's
+    [.., Lq, Lk] score shape outside fusion bodies and reducers, before → after."""
+
+    removed: int
+    added: int
+    custom_calls_added: tuple[str, ...]  # custom_call_target of each added custom-call
+    custom_calls_removed: tuple[str, ...]
+    fusions_removed: int
+    fusions_added: int
+    score_buffers: tuple[int, int] | None = None
+
+    def line(self) -> str:
+        """One line, e.g. ``−14 instructions, +3 (1 custom-call tpu_custom_call), L×L buffers 2 → 0``."""
+        if not (self.removed or self.added):
+            return "no change"
+        parts = [f"−{self.removed} instructions", f"+{self.added}"]
+        extra = [f"{n} custom-call {t}" for t, n in
+                 collections.Counter(self.custom_calls_added).items()]
+        if extra:
+            parts[-1] += f" ({', '.join(extra)})"
+        for t, n in collections.Counter(self.custom_calls_removed).items():
+            parts.append(f"−{n} custom-call {t}")
+        if self.fusions_removed or self.fusions_added:
+            parts.append(f"fusions −{self.fusions_removed} +{self.fusions_added}")
+        if self.score_buffers is not None:
+            parts.append(f"L×L buffers {self.score_buffers[0]} → {self.score_buffers[1]}")
+        return ", ".join(parts)
+
+
+@dataclasses.dataclass
+class ModuleDiff:
+    """Two modules (calls inlined) and how their instructions correspond.
+
+    `mapping` maps kept node ids of `before` to node ids of `after` (``"computation/name"``,
+    as `hlotool.hlo.to_graph` names nodes); `removed` and `added` are in text order.
+    """
+
+    before: Module
+    after: Module
+    before_graph: nx.MultiDiGraph
+    after_graph: nx.MultiDiGraph
+    mapping: dict[str, str]
+    removed: list[str]
+    added: list[str]
+    regions: list[Region]
+    _before_side: _Side = dataclasses.field(repr=False)
+    _after_side: _Side = dataclasses.field(repr=False)
+
+    @property
+    def unchanged(self) -> bool:
+        return not (self.removed or self.added)
+
+    def status(self, side: str, node: str) -> str:
+        """`KEPT`, `REMOVED` or `ADDED` for a node of side "before" or "after"."""
+        if side == "before":
+            return KEPT if node in self.mapping else REMOVED
+        return KEPT if node in self._after_side.inst and node not in set(self.added) else ADDED
+
+    def instruction(self, side: str, node: str) -> Instruction:
+        return (self._before_side if side == "before" else self._after_side).inst[node]
+
+    def fused(self, side: str, node: str) -> bool:
+        """True when `node` lives in a fusion body or a reducer, not in a program-level
+        computation (entry, loop body, branch), so it is no buffer of its own."""
+        s = self._before_side if side == "before" else self._after_side
+        comp = s.graph.nodes[node]["computation"]
+        return any(s.inst[c].opcode not in ("while", "conditional", "call")
+                   for c in s.callers.get(comp, ()))
+
+    def stats(self, removed: Iterable[str] | None = None, added: Iterable[str] | None = None,
+              site: AttentionSite | None = None) -> ChangeStats:
+        """Counts over the given removed/added nodes (default: the whole diff)."""
+        removed = list(self.removed if removed is None else removed)
+        added = list(self.added if added is None else added)
+        a = [self.instruction("before", n) for n in removed]
+        b = [self.instruction("after", n) for n in added]
+        buffers = None
+        if site is not None:
+            buffers = (
+                sum(_score_sized(i, site) for n, i in zip(removed, a) if not self.fused("before", n)),
+                sum(_score_sized(i, site) for n, i in zip(added, b) if not self.fused("after", n)),
+            )
+        return ChangeStats(
+            removed=len(a), added=len(b),
+            custom_calls_added=tuple(i.custom_call_target or "" for i in b
+                                     if i.opcode == "custom-call"),
+            custom_calls_removed=tuple(i.custom_call_target or "" for i in a
+                                       if i.opcode == "custom-call"),
+            fusions_removed=sum(i.opcode == "fusion" for i in a),
+            fusions_added=sum(i.opcode == "fusion" for i in b),
+            score_buffers=buffers,
+        )
+
+    def normalized_texts(self) -> tuple[str, str]:
+        """Both modules printed with names that do not depend on XLA's numbering: a kept
+        instruction has the same name on both sides, so a text diff shows only changes.
+        Metadata is dropped and long attribute values are shortened."""
+        names_a: dict[str, str] = {}
+        names_b: dict[str, str] = {}
+        counters: collections.Counter[str] = collections.Counter()
+        for n in sorted(self._before_side.inst, key=self._before_side.order.__getitem__):
+            op = self._before_side.inst[n].opcode
+            names_a[n] = f"{op}.{counters[op]}"
+            counters[op] += 1
+        back = {y: x for x, y in self.mapping.items()}
+        new: collections.Counter[str] = collections.Counter()
+        for n in sorted(self._after_side.inst, key=self._after_side.order.__getitem__):
+            if n in back:
+                names_b[n] = names_a[back[n]]
+            else:
+                op = self._after_side.inst[n].opcode
+                names_b[n] = f"{op}.new{new[op]}"
+                new[op] += 1
+        return _print(self._before_side, names_a), _print(self._after_side, names_b)
+
+    def unified(self, context: int = 3) -> str:
+        """Unified diff of the normalized texts ("" when nothing changed)."""
+        a, b = self.normalized_texts()
+        return "".join(difflib.unified_diff(
+            a.splitlines(keepends=True), b.splitlines(keepends=True),
+            fromfile=f"native/{self.before.name}", tofile=f"rewritten/{self.after.name}",
+            n=context,
+        ))
+
+
+def _score_sized(inst: Instruction, site: AttentionSite) -> bool:
+    shapes = inst.shape.tuple_shapes if inst.shape.is_tuple else [inst.shape]
+    for shape in shapes:
+        dims = list(shape.dims)
+        if site.q_len in dims:
+            dims.remove(site.q_len)
+            if site.kv_len in dims:
+                return True
+    return False
+
+
+def _computation_names(side: _Side, names: dict[str, str]) -> dict[str, str]:
+    """A computation is named after its root instruction's normalized name."""
+    out = {}
+    for comp in side.module.computations.values():
+        root = names[node_id(comp.name, comp.root.name)]
+        out[comp.name] = ("ENTRY" if comp.is_entry else "comp") + f"<{root}>"
+    return out
+
+
+def _print(side: _Side, names: dict[str, str]) -> str:
+    comp_names = _computation_names(side, names)
+    blocks = []
+    for comp in side.module.computations.values():
+        lines = [f"{comp_names[comp.name]} {{"]
+        for inst in comp:
+            attrs = {}
+            for key, value in inst.attributes.items():
+                if key == "metadata":
+                    continue
+                if key in CALLED_COMPUTATION_ATTRS:
+                    called = [f"%{comp_names.get(c, c)}" for c in split_names(value)]
+                    value = called[0] if len(called) == 1 and not value.startswith("{") \
+                        else "{" + ", ".join(called) + "}"
+                elif len(value) > _MAX_ATTR_CHARS:
+                    value = f"{value[:_MAX_ATTR_CHARS]}…<{len(value)} chars>"
+                attrs[key] = value
+            clone = dataclasses.replace(
+                inst, name=names[node_id(comp.name, inst.name)], attributes=attrs,
+                operands=[names[node_id(comp.name, o)] for o in inst.operands],
+                is_root=inst is comp.root,
+            )
+            lines.append("  " + print_instruction(clone))
+        lines.append("}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
+def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
+             added: list[str]) -> list[Region]:
+    """Groups changed nodes: removed (added) nodes joined by an operand edge, a single-caller
+    computation joined to its caller, and a removed and an added node joined when they touch
+    the same kept instruction (kept leaves — parameters, constants — excepted: they are shared
+    too widely to say anything)."""
+    parent: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(x, y):
+        parent[find(x)] = find(y)
+
+    for n in removed:
+        parent[("a", n)] = ("a", n)
+    for n in added:
+        parent[("b", n)] = ("b", n)
+    touching: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)  # kept (after id)
+    for tag, side, changed in (("a", a, removed), ("b", b, added)):
+        for n in changed:
+            for u, v, d in side.graph.in_edges(n, data=True):
+                if d["kind"] == "called" and len(side.callers.get(d["computation"], ())) != 1:
+                    continue
+                if (tag, u) in parent:
+                    union((tag, u), (tag, n))
+                elif side.inst[u].operands or side.inst[u].called_computations:
+                    kept = mapping[u] if tag == "a" else u
+                    touching[kept].append((tag, n))
+            for v, _ in side.users(n):
+                if (tag, v) not in parent:
+                    kept = mapping[v] if tag == "a" else v
+                    touching[kept].append((tag, n))
+    for members in touching.values():
+        if {t for t, _ in members} == {"a", "b"}:
+            for m in members[1:]:
+                union(members[0], m)
+    groups: dict[tuple[str, str], list[tuple[str, str]]] = collections.defaultdict(list)
+    for x in parent:
+        groups[find(x)].append(x)
+    regions = [
+        Region(frozenset(n for t, n in g if t == "a"), frozenset(n for t, n in g if t == "b"))
+        for g in groups.values()
+    ]
+
+    def first(r: Region) -> tuple[int, int]:
+        return (min((a.order[n] for n in r.removed), default=1 << 60),
+                min((b.order[n] for n in r.added), default=1 << 60))
+
+    return sorted(regions, key=first)
+
+
+def _as_module(module: Module | str, what: str) -> Module:
+    if isinstance(module, str):
+        module = parse_module(module, source_name=f"<{what}>")
+    if not isinstance(module, Module):
+        raise HlotoolError(f"diff needs HLO Modules or their text; {what} is "
+                           f"{type(module).__name__}")
+    return module.inline_calls() if any(i.opcode == "call" for i in module.instructions()) \
+        else module
+
+
+def diff_modules(before: Module | str, after: Module | str) -> ModuleDiff:
+    """The structural diff of `before` (native) and `after` (rewritten), calls inlined first
+    (so jit nesting does not count as change, and node ids agree with `passes.from_hlo`)."""
+    a = _Side.build(_as_module(before, "before"))
+    b = _Side.build(_as_module(after, "after"))
+    mapping = _Matcher(a, b).run()
+    kept_b = set(mapping.values())
+    removed = sorted((n for n in a.inst if n not in mapping), key=a.order.__getitem__)
+    added = sorted((n for n in b.inst if n not in kept_b), key=b.order.__getitem__)
+    return ModuleDiff(a.module, b.module, a.graph, b.graph, mapping, removed, added,
+                      _regions(a, b, mapping, removed, added), a, b)
+
+
+@dataclasses.dataclass
+class SiteChange:
+    """What the rewrite did to one attention site: the regions attributed to it."""
+
+    site: AttentionSite | None  # None: changes no detected site accounts for
+    regions: list[Region]
+
+    @property
+    def removed(self) -> set[str]:
+        return set().union(*(r.removed for r in self.regions))
+
+    @property
+    def added(self) -> set[str]:
+        return set().union(*(r.added for r in self.regions))
+
+
+def by_site(diff: ModuleDiff, sites: Sequence[tuple[AttentionSite, set[str], set[str]]]
+            ) -> list[SiteChange]:
+    """Attributes each region to the site it overlaps most: by node ids of `before` when the
+    site was detected in the same module, else by the user source lines both share (the
+    optimized stage, where fusion renamed everything). `sites` holds (site, node ids,
+    source lines). Regions no site accounts for come last, under site None."""
+    changes = [SiteChange(s, []) for s, _, _ in sites]
+    other = SiteChange(None, [])
+    for region in diff.regions:
+        lines = {_line(diff.instruction("before", n)) for n in region.removed} | \
+                {_line(diff.instruction("after", n)) for n in region.added}
+        lines.discard(None)
+        scores = [(len(region.removed & ids), len(lines & src)) for _, ids, src in sites]
+        best = max(range(len(sites)), key=scores.__getitem__, default=None)
+        if best is None or scores[best] == (0, 0):
+            other.regions.append(region)
+        else:
+            changes[best].regions.append(region)
+    return changes + ([other] if other.regions else [])
+
+
+def _line(inst: Instruction) -> str | None:
+    try:
+        return inst.user_source
+    except HlotoolError:
+        return None
