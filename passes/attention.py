@@ -131,7 +131,7 @@ class Match:
     out: Node  # the second dot_general
     out_layout: Layout  # [B, Lq, Hq, Dv] ↔ `out`
     scale: float
-    masks: tuple[MaskTerm, ...]
+    masks: tuple[MaskTerm, ...]  # in the order the program applies them
     body: tuple[Node, ...]  # every node computing the site from q/k/v/masks to `out`
     internals: dict[str, Node]  # scores, logits, row_max, exp, row_sum, probs
 
@@ -293,7 +293,7 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
 
     scale = q_scale * k_scale
     masks = []
-    for link in logits_links:
+    for link in reversed(logits_links):  # program order
         if link.kind == "scale":
             value = uniform_value(link.sides[0])
             scale = scale * value if link.node.op == "mul" else scale / value

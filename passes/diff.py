@@ -243,6 +243,9 @@ class ModuleDiff:
     _before_side: _Side = dataclasses.field(repr=False)
     _after_side: _Side = dataclasses.field(repr=False)
 
+    def __post_init__(self) -> None:
+        self._added = frozenset(self.added)
+
     @property
     def unchanged(self) -> bool:
         return not (self.removed or self.added)
@@ -251,7 +254,7 @@ class ModuleDiff:
         """`KEPT`, `REMOVED` or `ADDED` for a node of side "before" or "after"."""
         if side == "before":
             return KEPT if node in self.mapping else REMOVED
-        return KEPT if node in self._after_side.inst and node not in set(self.added) else ADDED
+        return ADDED if node in self._added else KEPT
 
     def instruction(self, side: str, node: str) -> Instruction:
         return (self._before_side if side == "before" else self._after_side).inst[node]
@@ -370,40 +373,37 @@ def _print(side: _Side, names: dict[str, str]) -> str:
 
 def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
              added: list[str]) -> list[Region]:
-    """Groups changed nodes: removed (added) nodes joined by an operand edge, a single-caller
-    computation joined to its caller, and a removed and an added node joined when they touch
-    the same kept instruction (kept leaves — parameters, constants — excepted: they are shared
-    too widely to say anything)."""
+    """Groups changed nodes. Two changed nodes of one side join when an operand edge or a
+    call edge links them (a computation with several callers, such as a shared reducer,
+    links nothing); a removed and an added node join when they touch the same kept
+    instruction, kept leaves excepted (parameters and constants are shared too widely to say
+    anything). A group of leaves only (a constant left dead by the rewrite) joins the
+    group nearest to it in text order."""
     parent: dict[tuple[str, str], tuple[str, str]] = {}
 
-    def find(x):
+    def find(x: tuple[str, str]) -> tuple[str, str]:
         while parent[x] != x:
             parent[x] = parent[parent[x]]
             x = parent[x]
         return x
 
-    def union(x, y):
+    def union(x: tuple[str, str], y: tuple[str, str]) -> None:
         parent[find(x)] = find(y)
 
-    for n in removed:
-        parent[("a", n)] = ("a", n)
-    for n in added:
-        parent[("b", n)] = ("b", n)
-    touching: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)  # kept (after id)
+    parent.update({("a", n): ("a", n) for n in removed})
+    parent.update({("b", n): ("b", n) for n in added})
+    touching: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
     for tag, side, changed in (("a", a, removed), ("b", b, added)):
         for n in changed:
-            for u, v, d in side.graph.in_edges(n, data=True):
+            edges = [*side.graph.in_edges(n, data=True), *side.graph.out_edges(n, data=True)]
+            for u, v, d in edges:
                 if d["kind"] == "called" and len(side.callers.get(d["computation"], ())) != 1:
                     continue
-                if (tag, u) in parent:
-                    union((tag, u), (tag, n))
-                elif side.inst[u].operands or side.inst[u].called_computations:
-                    kept = mapping[u] if tag == "a" else u
-                    touching[kept].append((tag, n))
-            for v, _ in side.users(n):
-                if (tag, v) not in parent:
-                    kept = mapping[v] if tag == "a" else v
-                    touching[kept].append((tag, n))
+                w = u if v == n else v
+                if (tag, w) in parent:
+                    union((tag, w), (tag, n))
+                elif not _is_leaf(side.inst[w]):
+                    touching[mapping[w] if tag == "a" else w].append((tag, n))
     for members in touching.values():
         if {t for t, _ in members} == {"a", "b"}:
             for m in members[1:]:
@@ -411,16 +411,32 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
     groups: dict[tuple[str, str], list[tuple[str, str]]] = collections.defaultdict(list)
     for x in parent:
         groups[find(x)].append(x)
-    regions = [
-        Region(frozenset(n for t, n in g if t == "a"), frozenset(n for t, n in g if t == "b"))
-        for g in groups.values()
+
+    def position(x: tuple[str, str]) -> int:
+        return (a if x[0] == "a" else b).order[x[1]]
+
+    def leaves_only(g: list[tuple[str, str]]) -> bool:
+        return all(_is_leaf((a if t == "a" else b).inst[n]) for t, n in g)
+
+    def distance(group: list[tuple[str, str]], x: tuple[str, str]) -> int:
+        same = [abs(position(y) - position(x)) for y in group if y[0] == x[0]]
+        return min(same, default=1 << 60)
+
+    roots = sorted(groups, key=lambda r: min(map(position, groups[r])))
+    anchors = [r for r in roots if not leaves_only(groups[r])]
+    for r in roots:
+        if anchors and leaves_only(groups[r]):
+            nearest = min(anchors, key=lambda q: distance(groups[q], groups[r][0]))
+            groups[nearest].extend(groups.pop(r))
+    return [
+        Region(frozenset(n for t, n in groups[r] if t == "a"),
+               frozenset(n for t, n in groups[r] if t == "b"))
+        for r in roots if r in groups
     ]
 
-    def first(r: Region) -> tuple[int, int]:
-        return (min((a.order[n] for n in r.removed), default=1 << 60),
-                min((b.order[n] for n in r.added), default=1 << 60))
 
-    return sorted(regions, key=first)
+def _is_leaf(inst: Instruction) -> bool:
+    return not inst.operands and not inst.called_computations
 
 
 def _as_module(module: Module | str, what: str) -> Module:
@@ -488,3 +504,14 @@ def _line(inst: Instruction) -> str | None:
         return inst.user_source
     except HlotoolError:
         return None
+
+
+@dataclasses.dataclass
+class FunctionDiff:
+    """One captured function diffed at one stage: what a report shows for it."""
+
+    function: str
+    stage: str  # "hlo" (pre-optimization) or "optimized"
+    target: str
+    diff: ModuleDiff
+    changes: list[SiteChange]

@@ -197,20 +197,55 @@ class MaskVar:
     """A mask in kernel terms (see `attention.MaskTerm`), with jaxpr variables.
 
     kind "causal": the kernel's causal flag; `var` is None.
-    kind "additive": scores + sign * broadcast_to(var, at_shape), mapped to
-        [B, Hq, Lq, Lk] by `scores_layout.to_canonical`.
-    kind "boolean": where(broadcast_to(var, at_shape) == keep_when, scores, fill);
-        `key_lengths` is set when the mask is iota(Lk) < lengths.
+    kind "additive": scores + sign * m, with m = `to_scores(value of var)`: [B, Hq, Lq, Lk].
+    kind "boolean": where(m == keep_when, scores, fill), m = `to_scores(value of var)`;
+        `key_lengths` is set when the mask is iota(Lk) < lengths[..., None].
+    `var` is the earliest variable visible at the site's level from which the mask is
+    reached through layout ops only; `replay` holds those ops (broadcasts, reshapes,
+    transposes, casts).
     """
 
     kind: str
     var: Any | None
+    replay: tuple[Node, ...]
     at_shape: tuple[int, ...]
     scores_layout: Layout
     sign: float = 1.0
     fill: float | None = None
     keep_when: bool = True
     key_lengths: Any | None = None
+
+    def to_scores(self, x):
+        """The mask operand's value `x` as a [B, Hq, Lq, Lk] array (broadcast, not copied)."""
+        import jax.numpy as jnp
+        from jax import lax
+
+        for node in self.replay:
+            if node.op == "broadcast":
+                x = lax.broadcast_in_dim(x, node.shape, node.params["dims"])
+            elif node.op == "transpose":
+                x = lax.transpose(x, node.params["perm"])
+            elif node.op == "reshape":
+                x = jnp.reshape(x, node.shape)
+            else:
+                x = x.astype(node.dtype)
+        return self.scores_layout.to_canonical(jnp.broadcast_to(x, self.at_shape))
+
+
+def _visible(node: Node | None, level: Path) -> tuple[Any | None, tuple[Node, ...]]:
+    """(var, layout ops to replay) for the earliest value, through layout ops, of `node`
+    that is visible at `level`: the user's own mask or bias rather than its broadcast."""
+    found: tuple[Any | None, tuple[Node, ...]] = (None, ())
+    replay: list[Node] = []
+    while node is not None:
+        var = node.ref.var_at(level) if isinstance(node.ref, JaxprRef) else None
+        if var is not None:
+            found = (var, tuple(reversed(replay)))
+        if node.op not in ("broadcast", "transpose", "reshape", "convert") or not node.inputs:
+            break
+        replay.append(node)
+        node = node.inputs[0]
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,8 +315,8 @@ def _to_jaxpr_site(closed: core.ClosedJaxpr, match: Match) -> JaxprSite:
                     if not isinstance(v, core.Literal)} | {
         v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
     masks = tuple(
-        MaskVar(t.kind, var(t.operand), t.at.shape, t.scores_layout, t.sign, t.fill,
-                t.keep_when, var(t.key_lengths))
+        MaskVar(t.kind, *_visible(t.operand, level), t.at.shape, t.scores_layout, t.sign,
+                t.fill, t.keep_when, var(t.key_lengths))
         for t in match.masks)
     return JaxprSite(
         site=match.site, path=level, eqns=tuple(sorted(eqns)),
