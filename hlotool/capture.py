@@ -33,10 +33,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 from jax._src.interpreters import pxla
 
 from hlotool.errors import HlotoolError
-try:
-    from hlotool.hlo import parse_module
-except ImportError:  # TEMPORARY: until hlotool.hlo's parser is committed
-    parse_module = None
+from hlotool.hlo import parse_module
 from hlotool.targets import Target, get_target
 
 STAGES: tuple[str, ...] = ("jaxpr", "stablehlo", "hlo", "optimized")
@@ -418,6 +415,4 @@ def _count_mlir_ops(lowered: jax.stages.Lowered) -> int:
 
 def _count_hlo(text: str) -> int:
     """Instructions over all computations of an HLO module's text."""
-    if parse_module is None:  # TEMPORARY
-        return sum(1 for ln in text.splitlines() if " = " in ln and not ln.startswith("HloModule"))
     return sum(len(c.instructions) for c in parse_module(text).computations.values())

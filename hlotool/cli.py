@@ -31,7 +31,7 @@ _MAX_ARGS_SHOWN = 4
 
 _TARGET_HELP = (
     "Compile target: "
-    + "; ".join(f"{t.name} ({t.description})" for t in TARGETS.values())
+    + ", ".join(f"{t.name} ({t.description})" for t in TARGETS.values())
     + ". TPU targets compile deviceless through libtpu: no TPU needed, nothing runs on one."
 )
 
@@ -96,7 +96,9 @@ Examples:
   hlotool inspect examples/padded_encoder.py -- --seq-len 256""",
 )
 @_script_argument
-@click.option("--target", "target", default="cpu", show_default=True, help=_TARGET_HELP)
+@click.option(
+    "--target", "target", default="cpu", show_default=True, metavar="NAME", help=_TARGET_HELP
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="Also list every argument by name.")
 @_fail_cleanly
@@ -135,6 +137,7 @@ def inspect(
 
 
 @cli.command(
+    short_help="Run SCRIPT and write each compiled function's program at one stage.",
     epilog="""\b
 Examples:
   hlotool dump examples/causal_decoder.py --stage hlo -o out/
@@ -149,7 +152,9 @@ Examples:
     help="jaxpr; stablehlo (MLIR); hlo (before optimization, with source locations); "
     "optimized (HLO after XLA's passes for --target).",
 )
-@click.option("--target", "target", default="cpu", show_default=True, help=_TARGET_HELP)
+@click.option(
+    "--target", "target", default="cpu", show_default=True, metavar="NAME", help=_TARGET_HELP
+)
 @click.option(
     "-o",
     "--output",

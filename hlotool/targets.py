@@ -53,10 +53,10 @@ class Target:
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target("cpu", "cpu", None, "host CPU (XLA:CPU), the default"),
-        Target("tpu-v5e", "tpu", "v5e:1x1", "TPU v5e, one chip, deviceless compile"),
-        Target("tpu-v5p", "tpu", "v5p:1x1x1", "TPU v5p, one chip, deviceless compile"),
-        Target("tpu-v6e", "tpu", "v6e:1x1", "TPU v6e, one chip, deviceless compile"),
+        Target("cpu", "cpu", None, "host CPU (XLA:CPU)"),
+        Target("tpu-v5e", "tpu", "v5e:1x1", "TPU v5e, one chip"),
+        Target("tpu-v5p", "tpu", "v5p:1x1x1", "TPU v5p, one chip"),
+        Target("tpu-v6e", "tpu", "v6e:1x1", "TPU v6e, one chip"),
     )
 }
 
