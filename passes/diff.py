@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import difflib
 import graphlib
+import heapq
 from collections.abc import Iterable, Sequence
 
 import networkx as nx
@@ -200,7 +201,7 @@ class ChangeStats:
 
     removed: int
     added: int
-    custom_calls_added: tuple[str, ...]  # custom_call_target of each added custom-call
+    custom_calls_added: tuple[str, ...]  # target (and XLA's op name) of each added custom-call
     custom_calls_removed: tuple[str, ...]
     fusions_removed: int
     fusions_added: int
@@ -282,10 +283,8 @@ class ModuleDiff:
             )
         return ChangeStats(
             removed=len(a), added=len(b),
-            custom_calls_added=tuple(i.custom_call_target or "" for i in b
-                                     if i.opcode == "custom-call"),
-            custom_calls_removed=tuple(i.custom_call_target or "" for i in a
-                                       if i.opcode == "custom-call"),
+            custom_calls_added=tuple(_custom_call(i) for i in b if i.opcode == "custom-call"),
+            custom_calls_removed=tuple(_custom_call(i) for i in a if i.opcode == "custom-call"),
             fusions_removed=sum(i.opcode == "fusion" for i in a),
             fusions_added=sum(i.opcode == "fusion" for i in b),
             score_buffers=buffers,
@@ -311,7 +310,9 @@ class ModuleDiff:
                 op = self._after_side.inst[n].opcode
                 names_b[n] = f"{op}.new{new[op]}"
                 new[op] += 1
-        return _print(self._before_side, names_a), _print(self._after_side, names_b)
+        a, b = self._before_side, self._after_side
+        rank = {y: a.order[x] for x, y in self.mapping.items()}
+        return _print(a, names_a, a.order), _print(b, names_b, rank)
 
     def unified(self, context: int = 3) -> str:
         """Unified diff of the normalized texts ("" when nothing changed)."""
@@ -321,6 +322,14 @@ class ModuleDiff:
             fromfile=f"native/{self.before.name}", tofile=f"rewritten/{self.after.name}",
             n=context,
         ))
+
+
+def _custom_call(inst: Instruction) -> str:
+    """The call's target, plus the op name XLA gave it when XLA made it (XLA:TPU's own
+    attention is ``tpu_custom_call (online-softmax)``; jax's op names are paths with '/')."""
+    target = inst.custom_call_target or "?"
+    op_name = inst.metadata.get("op_name", "")
+    return f"{target} ({op_name})" if op_name and "/" not in op_name else target
 
 
 def _score_sized(inst: Instruction, site: AttentionSite) -> bool:
@@ -343,12 +352,42 @@ def _computation_names(side: _Side, names: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _print(side: _Side, names: dict[str, str]) -> str:
+def _aligned(side: _Side, nodes: list[str], rank: dict[str, int]) -> list[str]:
+    """`nodes` in an order that puts operands first and otherwise follows `rank` (the text
+    position of each kept node's counterpart), so that both sides print in the same order
+    and a text diff aligns them; an unranked (added) node follows its operands."""
+    inside = set(nodes)
+    deps = {n: [o for o in side.operands(n) if o in inside] for n in nodes}
+    users: dict[str, list[str]] = collections.defaultdict(list)
+    for n, ops in deps.items():
+        for o in ops:
+            users[o].append(n)
+    waiting = {n: len(set(ops)) for n, ops in deps.items()}
+    key = {}
+    for n in sorted(nodes, key=side.order.__getitem__):
+        key[n] = rank.get(n, max((key.get(o, -1) for o in deps[n]), default=-1))
+    ready = [(key[n], side.order[n], n) for n in nodes if not waiting[n]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        out.append(n)
+        for u in set(users[n]):
+            waiting[u] -= 1
+            if not waiting[u]:
+                heapq.heappush(ready, (key[u], side.order[u], u))
+    return out
+
+
+def _print(side: _Side, names: dict[str, str], rank: dict[str, int]) -> str:
     comp_names = _computation_names(side, names)
+    comps = sorted(side.module.computations.values(),
+                   key=lambda c: rank.get(node_id(c.name, c.root.name), 1 << 60))
     blocks = []
-    for comp in side.module.computations.values():
+    for comp in comps:
         lines = [f"{comp_names[comp.name]} {{"]
-        for inst in comp:
+        order = _aligned(side, [node_id(comp.name, i.name) for i in comp], rank)
+        for inst in (side.inst[n] for n in order):
             attrs = {}
             for key, value in inst.attributes.items():
                 if key == "metadata":
@@ -375,10 +414,11 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
              added: list[str]) -> list[Region]:
     """Groups changed nodes. Two changed nodes of one side join when an operand edge or a
     call edge links them (a computation with several callers, such as a shared reducer,
-    links nothing); a removed and an added node join when they touch the same kept
+    joins its first caller only); a removed and an added node join when they touch the same kept
     instruction, kept leaves excepted (parameters and constants are shared too widely to say
-    anything). A group of leaves only (a constant left dead by the rewrite) joins the
-    group nearest to it in text order."""
+    anything). A changed leaf joins its first changed user only, so a constant shared by
+    two sites does not merge them; a leaf with none (a constant left dead by the rewrite)
+    joins the group nearest to it in text order."""
     parent: dict[tuple[str, str], tuple[str, str]] = {}
 
     def find(x: tuple[str, str]) -> tuple[str, str]:
@@ -397,17 +437,24 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
         for n in changed:
             edges = [*side.graph.in_edges(n, data=True), *side.graph.out_edges(n, data=True)]
             for u, v, d in edges:
-                if d["kind"] == "called" and len(side.callers.get(d["computation"], ())) != 1:
-                    continue
+                if d["kind"] == "called" and side.callers[d["computation"]][0] != v:
+                    continue  # a shared computation (reducer) belongs to its first caller
                 w = u if v == n else v
                 if (tag, w) in parent:
-                    union((tag, w), (tag, n))
+                    if not (_is_leaf(side.inst[n]) or _is_leaf(side.inst[w])):
+                        union((tag, w), (tag, n))
                 elif not _is_leaf(side.inst[w]):
                     touching[mapping[w] if tag == "a" else w].append((tag, n))
     for members in touching.values():
         if {t for t, _ in members} == {"a", "b"}:
             for m in members[1:]:
                 union(members[0], m)
+    for tag, side, changed in (("a", a, removed), ("b", b, added)):
+        for n in changed:
+            users = sorted((u for u, _ in side.users(n) if (tag, u) in parent),
+                           key=side.order.__getitem__)
+            if _is_leaf(side.inst[n]) and users:
+                union((tag, n), (tag, users[0]))
     groups: dict[tuple[str, str], list[tuple[str, str]]] = collections.defaultdict(list)
     for x in parent:
         groups[find(x)].append(x)
