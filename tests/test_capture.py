@@ -151,8 +151,12 @@ def test_default_jax_platforms_respects_the_user(monkeypatch):
     default_jax_platforms()
     assert os.environ["JAX_PLATFORMS"] == "tpu"
     monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(os.path, "exists", lambda path: path == "/dev/accel0")
     default_jax_platforms()
-    assert os.environ["JAX_PLATFORMS"] == "cpu"  # this machine has no TPU attached
+    assert "JAX_PLATFORMS" not in os.environ  # a TPU is attached: let jax find it
+    monkeypatch.setattr(os.path, "exists", lambda path: False)
+    default_jax_platforms()
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
 
 
 def test_hook_check_names_jax_version_and_missing_attribute(monkeypatch):
