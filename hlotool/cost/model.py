@@ -1,0 +1,179 @@
+"""The analytic model: FLOPs, HBM bytes, temporaries and a roofline time per side and chip.
+
+Native is the naive formula as XLA runs it unfused (`hlotool.kernels.base.naive_cost`): the
+[B, Hq, Lq, Lk] scores and probabilities go through HBM. Kernel is the flash kernel the
+registry picks for the chip's platform (pallas_tpu, pallas_gpu, or chunked on the CPU), with
+that kernel's own block sizes (`AttentionKernel.cost`).
+
+Roofline. An unfused program runs op after op, each bounded by its own compute or memory
+time, so native time is a sum over phases (QKᵀ, softmax, P·V; and for the backward dP, dS, the
+three gradient matmuls) of max(matmul FLOPs / peak, bytes / bandwidth). The kernel is one
+fused op: max(FLOPs / peak, bytes / bandwidth). Elementwise work (max, exp, sum, divide) is
+counted in `flops` but assumed hidden under memory traffic; matmuls with head dim below the
+chip's matrix width run at D / width of peak, on both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+from hlotool.errors import HlotoolError
+from hlotool.hardware import Hardware, get_hardware
+from hlotool.kernels import AttentionKernel, KernelCost, KernelError, select
+from hlotool.kernels.base import naive_cost
+from hlotool.site import AttentionSite
+
+Side = Literal["native", "kernel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """One side's analytic cost on one chip.
+
+    flops: multiply-adds count 2, elementwise ops 1. hbm_bytes: bytes moved to and from HBM.
+    temp_bytes: peak HBM temporaries the attention adds beyond its inputs and outputs.
+    onchip_bytes: one kernel instance's working set (0 for native). seconds: roofline time;
+    bound: which limit sets it ("compute" or "memory").
+    """
+
+    flops: int
+    transcendentals: int
+    hbm_bytes: int
+    temp_bytes: int
+    onchip_bytes: int
+    seconds: float
+    bound: str
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per HBM byte."""
+        return self.flops / self.hbm_bytes if self.hbm_bytes else float("inf")
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "intensity": self.intensity}
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One op of the unfused program: matmul FLOPs and the HBM bytes it moves."""
+
+    name: str
+    matmul_flops: int
+    hbm_bytes: int
+
+
+def _shape_terms(site: AttentionSite) -> tuple[int, int, int, int, int]:
+    """(scores S = B·Hq·Lq·Lk, Q bytes, K bytes, V bytes, O bytes)."""
+    b, hq, hkv, item = site.batch, site.num_q_heads, site.num_kv_heads, site.itemsize
+    scores = b * hq * site.q_len * site.kv_len
+    q = b * site.q_len * hq * site.head_dim * item
+    k = b * site.kv_len * hkv * site.head_dim * item
+    v = b * site.kv_len * hkv * site.v_head_dim * item
+    o = b * site.q_len * hq * site.v_head_dim * item
+    return scores, q, k, v, o
+
+
+def native_phases(site: AttentionSite, *, backward: bool = False) -> list[Phase]:
+    """The unfused program's ops; their bytes add up to `naive_cost(site).hbm_bytes`.
+
+    Forward: QKᵀ writes S, softmax reads S (and an additive or boolean mask operand, which
+    `naive_cost` leaves out) and writes P, P·V reads P. Backward: dP = dO·Vᵀ
+    writes dP; dS = P ⊙ (dP − rowsum(dO ⊙ O)) reads P and dP and writes dS; dV = Pᵀ·dO, dQ =
+    dS·K, dK = dSᵀ·Q read dS (P for dV rides along in the dS fusion).
+    """
+    scores, q, k, v, o = _shape_terms(site)
+    sb = site.score_bytes
+    d, dv = site.head_dim, site.v_head_dim
+    phases = [
+        Phase("QKᵀ", 2 * scores * d, q + k + sb),
+        Phase("softmax", 0, 2 * sb + mask_operand_bytes(site)),
+        Phase("P·V", 2 * scores * dv, sb + v + o),
+    ]
+    if backward:
+        io = q + k + v + o
+        phases += [
+            Phase("dP = dO·Vᵀ", 2 * scores * dv, o + v + sb),
+            Phase("dS", 0, 3 * sb),
+            Phase("dV, dQ, dK", 2 * scores * (dv + 2 * d), sb + 2 * io - (o + v)),
+        ]
+    return phases
+
+
+def mask_operand_bytes(site: AttentionSite) -> int:
+    """Bytes of the mask or bias operand the naive program reads (f32 bias, bool mask)."""
+    if site.mask not in ("additive", "boolean"):
+        return 0
+    shape = site.mask_shape or (site.batch, site.num_q_heads, site.q_len, site.kv_len)
+    return int(np.prod(shape)) * (4 if site.mask == "additive" else 1)
+
+
+def kernel_for(site: AttentionSite, hardware: Hardware) -> AttentionKernel:
+    """The flash kernel the registry runs `site` with on `hardware`'s platform.
+
+    Raises KernelError (naming why) when no flash kernel takes the site there.
+    """
+    platform = hardware.platform if hardware.platform in ("tpu", "cuda") else "default"
+    kernel, why = select(site, platform)
+    if kernel.name == "reference":
+        raise KernelError(f"no flash kernel takes this site on {hardware.name}: {why}")
+    return kernel
+
+
+def _matmul_rate(site: AttentionSite, hardware: Hardware) -> float:
+    fill = min(1.0, min(site.head_dim, site.v_head_dim) / hardware.matrix_width)
+    return hardware.peak_flops(site.dtype) * fill
+
+
+def native_temp_bytes(site: AttentionSite, *, backward: bool = False) -> int:
+    """Peak temporaries of the unfused program: S and P (forward); P kept for the backward,
+    then dP and dS beside it."""
+    return (3 if backward else 2) * site.score_bytes
+
+
+def kernel_temp_bytes(site: AttentionSite, *, backward: bool = False) -> int:
+    """Peak temporaries of a flash kernel: f32 output accumulator and log-sum-exp [B, Hq, Lq]
+    (forward); f32 dQ, dK, dV accumulators (backward)."""
+    b, hq, hkv, lq, lk = site.batch, site.num_q_heads, site.num_kv_heads, site.q_len, site.kv_len
+    temp = 4 * b * hq * lq * (site.v_head_dim + 1)
+    if backward:
+        temp += 4 * (b * hq * lq * site.head_dim + b * hkv * lk * (site.head_dim + site.v_head_dim))
+    return temp
+
+
+def analytic(
+    site: AttentionSite, hardware: str | Hardware, side: Side, *, backward: bool = False
+) -> Figures:
+    """`side`'s analytic figures for `site` on `hardware` (forward, or forward + backward)."""
+    hw = get_hardware(hardware)
+    rate = _matmul_rate(site, hw)
+    if side == "native":
+        cost = naive_cost(site, backward=backward)
+        phases = native_phases(site, backward=backward)
+        seconds, compute_time = 0.0, 0.0
+        for ph in phases:
+            c, m = ph.matmul_flops / rate, ph.hbm_bytes / hw.hbm_bandwidth
+            seconds += max(c, m)
+            compute_time += c if c >= m else 0.0
+        bound = "compute" if compute_time > seconds / 2 else "memory"
+        return Figures(cost.flops, cost.transcendentals, sum(p.hbm_bytes for p in phases),
+                       native_temp_bytes(site, backward=backward), 0, seconds, bound)
+    if side == "kernel":
+        cost: KernelCost = kernel_for(site, hw).cost(site, backward=backward)
+        mm = _kernel_matmul_flops(site, cost, backward)
+        c, m = mm / rate, cost.hbm_bytes / hw.hbm_bandwidth
+        return Figures(cost.flops, cost.transcendentals, cost.hbm_bytes,
+                       kernel_temp_bytes(site, backward=backward), cost.onchip_bytes,
+                       max(c, m), "compute" if c >= m else "memory")
+    raise HlotoolError(f"side must be 'native' or 'kernel', got {side!r}")
+
+
+def _kernel_matmul_flops(site: AttentionSite, cost: KernelCost, backward: bool) -> int:
+    """The matmul part of a kernel's FLOPs. Kernels count (`kernels.base.flash_cost`) per
+    visited score 2·(D + Dv) matmul FLOPs and 5 elementwise forward; the backward adds 2.5×
+    the matmuls and 6 elementwise."""
+    per_score = 2 * (site.head_dim + site.v_head_dim)
+    matmul, elementwise = (3.5 * per_score, 11) if backward else (per_score, 5)
+    return int(cost.flops * matmul / (matmul + elementwise))

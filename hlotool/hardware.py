@@ -1,0 +1,160 @@
+"""The one table of hardware figures the cost model prices attention with, per chip.
+
+Every figure is per chip (per device as jax sees it), peak and dense (no sparsity), and cites
+where it comes from. TPU figures are the ones the installed jax itself uses
+(`jax/_src/pallas/mosaic/tpu_info.py`, jax 0.10.2), cross-checked against the Cloud TPU
+system-architecture pages; GPU figures are NVIDIA's datasheets (SXM parts), with the on-chip
+shared memory from the CUDA C++ Programming Guide's compute-capability table, which XLA's
+GPU specs (`xla/tools/hlo_opt/gpu_specs/*.txtpb`) also record.
+
+`cpu` is this host, not a product: a 2-core AMD EPYC VM. Its figures were measured here with
+`benchmarks/cost_vs_measured.py --calibrate` (an XLA:CPU matmul of attention-block shape, and
+an XLA:CPU elementwise op streaming into a freshly allocated buffer, which is what an unfused
+op does); they are what XLA achieves on this host, not the silicon's peak, and another host
+should re-measure them (`measure_host`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+
+from hlotool.errors import HlotoolError
+
+_TPU_INFO = "jax/_src/pallas/mosaic/tpu_info.py (jax 0.10.2)"
+_CLOUD_TPU = "cloud.google.com/tpu/docs/system-architecture-tpu-vm"
+_CUDA_GUIDE = "CUDA C++ Programming Guide, compute capabilities table (shared memory per SM)"
+
+
+class UnknownHardwareError(HlotoolError):
+    """A hardware name that is not in `HARDWARE`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Peak figures of one chip, enough for a roofline.
+
+    matmul_flops: peak matmul FLOP/s by operand dtype, as XLA runs a default-precision dot of
+    that dtype (f32 on TPU: one bf16 MXU pass; f32 on Ampere/Hopper: TF32 tensor cores).
+    matrix_width: head dims below this leave the matrix unit partly idle (a [.., D] x [D, ..]
+    contraction of D < width runs at D/width of peak).
+    onchip_bytes: what one kernel instance can keep next to the compute units (VMEM per
+    TensorCore, shared memory per SM, L2 per core).
+    """
+
+    name: str
+    description: str
+    platform: str  # jax platform of the kernel registry: "cpu" | "tpu" | "cuda"
+    matmul_flops: Mapping[str, float]
+    hbm_bytes: int
+    hbm_bandwidth: float  # bytes/s
+    onchip_bytes: int
+    onchip_kind: str
+    matrix_width: int
+    compile_target: str | None  # hlotool.targets name XLA can compile for here; None: none
+    sources: tuple[str, ...]
+
+    def peak_flops(self, dtype: str) -> float:
+        """Matmul FLOP/s for operands of `dtype` (float16 falls back to the bfloat16 figure)."""
+        if dtype in self.matmul_flops:
+            return self.matmul_flops[dtype]
+        if dtype == "float16" and "bfloat16" in self.matmul_flops:
+            return self.matmul_flops["bfloat16"]
+        raise HlotoolError(f"no {dtype} matmul figure for {self.name}")
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOPs per HBM byte above which a bf16 kernel is compute-bound."""
+        return self.peak_flops("bfloat16") / self.hbm_bandwidth
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["matmul_flops"] = dict(self.matmul_flops)
+        out["sources"] = list(self.sources)
+        return out
+
+
+def _tpu(name, description, bf16, hbm, bw, vmem, width, target, extra=()) -> Hardware:
+    # TPU f32 dots at default precision run as one bf16 pass: same peak as bf16.
+    return Hardware(name, description, "tpu", {"bfloat16": bf16, "float32": bf16}, hbm, bw,
+                    vmem, "VMEM per TensorCore", width, target, (_TPU_INFO, _CLOUD_TPU, *extra))
+
+
+def _gpu(name, description, bf16, tf32, hbm, bw, smem, source) -> Hardware:
+    # Tensor-core dots have 16-wide k fragments: smaller head dims waste the unit.
+    return Hardware(name, description, "cuda", {"bfloat16": bf16, "float32": tf32}, hbm, bw,
+                    smem, "shared memory per SM", 16, None, (source, _CUDA_GUIDE))
+
+
+_KIB, _MIB = 1024, 1024 * 1024
+
+HARDWARE: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        Hardware(
+            "cpu", "this host: 2-core AMD EPYC VM, XLA:CPU (measured, see module docstring)",
+            "cpu", {"float32": 47e9, "bfloat16": 47e9}, 24 * 1024**3, 1.6e9,
+            1 * _MIB, "L2 per core", 1, "cpu",
+            ("measured: benchmarks/cost_vs_measured.py --calibrate (median of 5, jax 0.10.2)",),
+        ),
+        # tpu_info: v4 has 2 TensorCores in megacore; per chip 275 TF, 1.23 TB/s, 32 GiB.
+        _tpu("tpu-v4", "TPU v4, one chip (megacore)", 2.75e14, 34_400_000_000, 1.23e12,
+             16 * _MIB, 128, None),
+        _tpu("tpu-v5e", "TPU v5e, one chip", 1.97e14, 17_200_000_000, 8.20e11, 128 * _MIB,
+             128, "tpu-v5e"),
+        # tpu_info says 2.46e12 B/s for v5p; the Cloud TPU v5p page says 2,765 GB/s. The
+        # lower figure is what jax's own kernels tune for, so it is the one used here.
+        _tpu("tpu-v5p", "TPU v5p, one chip (megacore)", 4.59e14, 103_000_000_000, 2.46e12,
+             64 * _MIB, 128, "tpu-v5p", ("cloud.google.com/tpu/docs/v5p: 2,765 GB/s HBM",)),
+        _tpu("tpu-v6e", "TPU v6e, one chip", 9.20e14, 34_400_000_000, 1.64e12, 128 * _MIB,
+             256, "tpu-v6e"),
+        _gpu("a100", "NVIDIA A100 SXM 80GB", 312e12, 156e12, 80 * 10**9, 2.039e12, 164 * _KIB,
+             "NVIDIA A100 datasheet (SXM4 80GB)"),
+        _gpu("h100", "NVIDIA H100 SXM5 80GB", 989e12, 494.5e12, 80 * 10**9, 3.35e12,
+             228 * _KIB, "NVIDIA H100 datasheet (SXM5)"),
+        _gpu("h200", "NVIDIA H200 SXM 141GB", 989e12, 494.5e12, 141 * 10**9, 4.8e12,
+             228 * _KIB, "NVIDIA H200 datasheet (SXM)"),
+    )
+}
+
+
+def get_hardware(name: str | Hardware) -> Hardware:
+    """The `Hardware` called `name`; raises `UnknownHardwareError` listing the valid names."""
+    if isinstance(name, Hardware):
+        return name
+    try:
+        return HARDWARE[name]
+    except KeyError:
+        raise UnknownHardwareError(
+            f"unknown target {name!r}; valid targets: {', '.join(HARDWARE)}"
+        ) from None
+
+
+def measure_host(repeats: int = 5) -> Hardware:
+    """The `cpu` entry with its matmul rate and streaming bandwidth measured on this host.
+
+    Matmul: a [8, 1024, 64] x [8, 64, 512] f32 batched dot (one attention tile per head).
+    Bandwidth: `x + 1` over 64 Mi f32 into a fresh buffer, bytes read plus written.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def median_seconds(f, *args) -> float:
+        f(*args).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            f(*args).block_until_ready()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    a, b = jnp.ones((8, 1024, 64), jnp.float32), jnp.ones((8, 512, 64), jnp.float32)
+    dot = jax.jit(lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b))
+    flops = 2 * 8 * 1024 * 512 * 64 / median_seconds(dot, a, b)
+    x = jnp.ones((64 * _MIB,), jnp.float32)
+    bandwidth = 2 * x.nbytes / median_seconds(jax.jit(lambda x: x + 1), x)
+    return dataclasses.replace(
+        HARDWARE["cpu"], matmul_flops={"float32": flops, "bfloat16": flops},
+        hbm_bandwidth=bandwidth, sources=("measure_host() just now",),
+    )

@@ -1,0 +1,130 @@
+"""The analytic model against hand-computed values, and the verdict on known cases."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hlotool.cost import analytic, verdict
+from hlotool.cost.model import native_phases
+from hlotool.errors import HlotoolError
+from hlotool.hardware import HARDWARE, Hardware, get_hardware
+from hlotool.kernels.base import naive_cost
+from hlotool.site import AttentionSite
+
+
+def site(length: int, *, heads: int = 8, dim: int = 64, dtype: str = "float32",
+         mask: str = "none", layout: str = "BLHD", batch: int = 1) -> AttentionSite:
+    return AttentionSite(batch=batch, q_len=length, kv_len=length, num_q_heads=heads,
+                         num_kv_heads=heads, head_dim=dim, v_head_dim=dim, dtype=dtype,
+                         scale=dim ** -0.5, mask=mask, layout=layout)
+
+
+# A toy chip: 32 FLOP/s, 128 B/s, matrix width 1, the CPU kernel (chunked).
+TOY = dataclasses.replace(HARDWARE["cpu"], name="toy", matmul_flops={"float32": 32.0},
+                          hbm_bandwidth=128.0, matrix_width=1)
+# B=1, L=4, H=1, D=2, f32: S = 16 scores; q, k, v, o 32 bytes each; scores 64 bytes.
+TINY = site(4, heads=1, dim=2)
+
+
+def test_native_by_hand():
+    f = analytic(TINY, TOY, "native")
+    assert f.flops == 2 * 16 * (2 + 2) + 5 * 16  # two matmuls + 5 elementwise per score
+    assert f.transcendentals == 16
+    assert f.hbm_bytes == 4 * 32 + 4 * 64  # Q, K, V, O once; S written, read; P written, read
+    assert f.temp_bytes == 2 * 64
+    # QKᵀ: max(64/32, 128/128) = 2 s; softmax: 128/128 = 1 s; P·V: 2 s.
+    assert f.seconds == pytest.approx(5.0)
+    assert f.bound == "compute"
+    assert f.intensity == pytest.approx(208 / 384)
+
+
+def test_kernel_by_hand():
+    f = analytic(TINY, TOY, "kernel")
+    assert f.flops == 208
+    assert f.hbm_bytes == 32 + 32 + 64  # Q read, O written, K and V read once (one block)
+    assert f.temp_bytes == 4 * 4 * (2 + 1)  # f32 accumulator and lse per query row
+    assert f.seconds == pytest.approx(128 / 32)  # matmul FLOPs / peak: compute-bound
+    assert f.bound == "compute"
+
+
+def test_phases_add_up_to_naive_cost():
+    s = site(256, heads=2, dim=32)
+    for backward in (False, True):
+        phases = native_phases(s, backward=backward)
+        assert sum(p.hbm_bytes for p in phases) == naive_cost(s, backward=backward).hbm_bytes
+
+
+def test_forward_flops_formula_and_backward_ratio():
+    s = site(1024, heads=4, dim=64)
+    fwd = analytic(s, "h100", "native")
+    assert fwd.flops == 4 * 4 * 1024 * 1024 * 64 + 5 * 4 * 1024 * 1024
+    # Autodiff's backward: 4 matmuls (2× forward); the kernel's recomputes QKᵀ (2.5×).
+    both = analytic(s, "h100", "native", backward=True)
+    assert 2.9 < both.flops / fwd.flops < 3.05
+    k_fwd, k_both = (analytic(s, "h100", "kernel", backward=b).flops for b in (False, True))
+    assert 3.4 < k_both / k_fwd < 3.55
+
+
+def test_causal_halves_kernel_work_not_native():
+    full, causal = site(4096), site(4096, mask="causal")
+    assert analytic(causal, "tpu-v5e", "native").flops == analytic(full, "tpu-v5e", "native").flops
+    ratio = analytic(causal, "tpu-v5e", "kernel").flops / analytic(full, "tpu-v5e", "kernel").flops
+    assert 0.5 < ratio <= 36 / 64  # 512 blocks: 36 of 64 tiles visited
+
+
+def test_additive_bias_is_read_by_native():
+    plain, biased = site(1024), site(1024, mask="additive")
+    extra = analytic(biased, "cpu", "native").hbm_bytes - analytic(plain, "cpu", "native").hbm_bytes
+    assert extra == 4 * 8 * 1024 * 1024
+
+
+def test_verdict_short_sequence_keeps_native():
+    v = verdict(site(256), "h100")
+    assert not v.pays
+    assert v.reason.startswith("keep native (short sequence")
+
+
+@pytest.mark.parametrize("target", ["cpu", "h100", "a100", "tpu-v4"])
+def test_verdict_long_sequence_pays(target):
+    v = verdict(site(8192), target)
+    assert v.pays and v.reason.startswith("kernel pays (×")
+    assert v.speedup >= 1.2 and v.hbm_ratio > 3
+    assert f"×{v.hbm_ratio:.1f} less HBM traffic" in v.reason
+
+
+def test_verdict_tpu_where_xla_fuses_natively():
+    # XLA:TPU rewrites [B, H, L, D] attention into its own online-softmax kernel.
+    v = verdict(site(1024, dim=128, dtype="bfloat16", layout="BHLD"), "tpu-v5e")
+    assert v.native_fused is True
+    assert not v.pays and "XLA already fuses it" in v.reason
+
+
+def test_verdict_tpu_not_fused_in_blhd():
+    v = verdict(site(2048, dim=128, dtype="bfloat16"), "tpu-v5e")
+    assert v.native_fused is False
+    assert v.pays and v.kernel_name == "pallas_tpu"
+
+
+def test_verdict_native_does_not_fit():
+    v = verdict(site(32768, heads=32, batch=8, dtype="bfloat16"), "tpu-v5e", check_fusion=False)
+    assert v.pays and "of temporaries, more than" in v.reason
+
+
+def test_verdict_caller_evidence_of_fusion():
+    v = verdict(site(8192), "h100", native_fused=True)
+    assert not v.pays and v.native_fused is True
+
+
+def test_unknown_target_names_valid_ones():
+    with pytest.raises(HlotoolError, match=r"unknown target 'tpu-v9'; valid targets: cpu, tpu-v4"):
+        get_hardware("tpu-v9")
+
+
+def test_hardware_table_cites_sources():
+    for hw in HARDWARE.values():
+        assert isinstance(hw, Hardware) and hw.sources
+        assert hw.hbm_bandwidth > 0 and hw.peak_flops("bfloat16") > 0
+    assert HARDWARE["tpu-v5e"].peak_flops("bfloat16") == 1.97e14  # jax's tpu_info
+    assert HARDWARE["h200"].hbm_bandwidth == 4.8e12
