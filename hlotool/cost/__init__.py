@@ -5,7 +5,19 @@ programs (`xla`), and measurements on this host (`measure`); `verdict` decides p
 chip whether the kernel pays.
 """
 
-from hlotool.cost.model import Figures, analytic, kernel_for
-from hlotool.cost.verdict import Verdict, verdict
+from typing import Any
 
 __all__ = ["Figures", "Verdict", "analytic", "kernel_for", "verdict"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `hlotool --help` imports the cost command without importing jax.
+    if name in ("Figures", "analytic", "kernel_for"):
+        from hlotool.cost import model
+
+        return getattr(model, name)
+    if name in ("Verdict", "verdict"):
+        from hlotool.cost import decision as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'hlotool.cost' has no attribute {name!r}")

@@ -1,0 +1,103 @@
+"""`hlotool cost`: table, JSON document, SVG plot, one-line errors; XLA's numbers and caveats."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import xml.etree.ElementTree as ET
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from hlotool.cost import xla
+from hlotool.cost.command import command
+from hlotool.cost.plot import series
+from hlotool.kernels import get
+from hlotool.site import AttentionSite
+
+MODEL = textwrap.dedent("""\
+    import jax, jax.numpy as jnp
+
+    @jax.jit
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    x = jnp.ones((1, 1024, 2, 64))
+    attention(x, x, x)
+    """)
+SITE = AttentionSite(batch=1, q_len=256, kv_len=256, num_q_heads=2, num_kv_heads=2,
+                     head_dim=64, v_head_dim=64, dtype="float32", scale=0.125)
+
+
+@click.group()
+@click.option("--debug", is_flag=True)
+def group(debug: bool) -> None:
+    """Stands in for the `hlotool` group."""
+
+
+group.add_command(command())
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(MODEL)
+    return str(path)
+
+
+def test_json_document(model):
+    result = CliRunner().invoke(group, ["cost", model, "--target", "cpu", "--target", "h100",
+                                        "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["version"] == 1 and set(doc["hardware"]) == {"cpu", "h100"}
+    (entry,) = doc["sites"]
+    assert entry["site"]["q_len"] == 1024 and entry["site"]["num_q_heads"] == 2
+    cpu, h100 = entry["targets"]["cpu"], entry["targets"]["h100"]
+    assert cpu["verdict"]["pays"] and cpu["verdict"]["kernel_name"] == "chunked"
+    assert cpu["verdict"]["native"]["flops"] == 4 * 2 * 1024 * 1024 * 64 + 5 * 2 * 1024 * 1024
+    assert cpu["xla"]["native"]["flops"] > 0
+    assert any("while loop" in c for c in cpu["xla"]["kernel"]["caveats"])
+    assert "analytic only" in h100["xla"]["error"]
+
+
+def test_table_and_plot(model, tmp_path):
+    svg = tmp_path / "cost.svg"
+    result = CliRunner().invoke(group, ["cost", model, "--no-xla", "--target", "cpu",
+                                        "--target", "h200", "--plot", str(svg)])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("1 attention site in")
+    assert sum("kernel pays (×" in line for line in lines) == 2
+    root = ET.parse(svg).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    assert len(root.findall(f"{ns}polyline")) == 2 * 2 * 2  # 2 panels x 2 chips x 2 sides
+    marks = [t.text for t in root.iter(f"{ns}text") if t.get("class") == "crossover"]
+    assert marks == [f"L={series(SITE, t).crossover}" for t in ("cpu", "h200")]
+
+
+def test_unknown_target_is_one_line(model):
+    result = CliRunner().invoke(group, ["cost", model, "--target", "tpu-v9"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "hlotool: error: unknown target 'tpu-v9'; valid targets: "
+        "cpu, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, a100, h100, h200"]
+
+
+def test_pallas_cost_estimate_from_tpu_custom_call():
+    site = AttentionSite(batch=1, q_len=512, kv_len=512, num_q_heads=2, num_kv_heads=2,
+                         head_dim=128, v_head_dim=128, dtype="bfloat16", scale=None)
+    figs = xla.site_figures(site, "tpu-v5e", get("pallas_tpu"))
+    (estimate,) = figs["kernel"].kernel_estimates
+    assert estimate["flops"] >= 4 * 2 * 512 * 512 * 128
+    assert estimate["bytes_accessed"] == 4 * 2 * 512 * 2 * 128  # Q, K, V, O once each
+    assert figs["kernel"].custom_calls["tpu_custom_call"] == 1
+    assert any("cost_estimate" in c for c in figs["kernel"].caveats)
+
+
+def test_xla_numbers_for_naive_probe_on_cpu():
+    figs = xla.figures(xla.compile_for(*xla.naive_program(SITE), "cpu"), "cpu")
+    assert figs.flops >= 4 * 2 * 256 * 256 * 64
+    assert figs.argument_bytes == 3 * 256 * 2 * 64 * 4
