@@ -77,8 +77,9 @@ def cli(debug: bool) -> None:
     function JAX compiles while it runs (plain jax.jit, decorators, and the jits flax,
     haiku or equinox create). Eager operations outside jit are not listed.
 
-    Unless JAX_PLATFORMS is set, hlotool sets JAX_PLATFORMS=cpu on a machine with no TPU
-    attached, so that libtpu's start-up warnings stay out of the output.
+    Unless JAX_PLATFORMS is set, hlotool sets JAX_PLATFORMS=cpu (cuda,cpu with an NVIDIA
+    GPU and jax's CUDA plugin) on a machine with no TPU attached, so that libtpu's start-up
+    warnings stay out of the output. TPU targets never need a TPU.
     """
 
 
@@ -296,6 +297,107 @@ def _inspect_report(
             for f, counts in rows
         ],
     }
+
+
+@cli.command(
+    short_help="Run SCRIPT and show what the flash rewrite changes in each compiled program.",
+    epilog="""\b
+Examples:
+  hlotool diff examples/causal_decoder.py
+  hlotool diff examples/causal_decoder.py --stage optimized --target tpu-v5e -o report.html
+  hlotool diff examples/causal_decoder.py:forward --format svg --hops 3 -o pictures/""",
+)
+@_script_argument
+@click.option(
+    "--stage",
+    type=click.Choice(("hlo", "optimized")),
+    default="hlo",
+    show_default=True,
+    help="hlo: before XLA's passes (the pattern → the kernel call); optimized: after XLA's "
+    "passes for --target (which fusions go, which custom calls come).",
+)
+@click.option(
+    "--target", "target", default="cpu", show_default=True, metavar="NAME", help=_TARGET_HELP
+)
+@click.option("--kernel", default="auto", show_default=True,
+              help="Kernel flash_jit uses: auto (per platform) or a name from hlotool.kernels.")
+@click.option("--hops", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Steps around each changed site drawn in the pictures.")
+@click.option("-o", "--output", "output", type=click.Path(),
+              help="HTML report file; with --format, the directory for the pieces.")
+@click.option("--format", "fmt", type=click.Choice(("svg", "png", "dot", "txt")),
+              help="Write pieces instead of one HTML report: each site's native/rewritten "
+              "picture (svg, png, dot) or each function's text diff (txt).")
+@_fail_cleanly
+def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, kernel: str,
+         hops: int, output: str | None, fmt: str | None) -> None:
+    """Run SCRIPT and diff each compiled function, native vs hlotool.flash_jit.
+
+    Instructions are matched by structure (opcode, shape, operands), not by XLA's names.
+    Without -o: one summary line per function and per attention site. -o report.html
+    writes one self-contained HTML page (inline SVG; needs graphviz's `dot`) with each
+    site's neighbourhood, native and rewritten side by side. SCRIPT:NAME and `--` script
+    arguments work as for `inspect`.
+    """
+    from hlotool import render
+    from hlotool.targets import get_target
+
+    compile_target = get_target(target)
+    if fmt is not None and output is None:
+        raise HlotoolError(f"--format {fmt} writes files: name a directory with -o")
+    path, functions = _capture(script, script_args)
+    diffs, notes = [], []
+    for f in functions:
+        result = _diff_function(f, stage, compile_target.name, kernel)
+        (notes if isinstance(result, str) else diffs).append(result)
+    if not diffs:
+        click.echo(f"nothing to diff in {path}: " + "; ".join(notes))
+        return
+    if fmt is not None:
+        for file in render.write_pieces(diffs, output, fmt, hops):
+            click.echo(file)
+    elif output is not None:
+        page = render.html_report(diffs, hops, title=f"hlotool diff {os.path.basename(path)}")
+        try:
+            with open(output, "w") as out:
+                out.write(page)
+        except OSError as e:
+            raise HlotoolError(f"cannot write {output}: {e.strerror or e}") from e
+        click.echo(output)
+    else:
+        click.echo(render.text_summary(diffs), nl=False)
+    for note in notes:
+        click.echo(f"skipped {note}", err=fmt is not None or output is not None)
+
+
+def _diff_function(f: CapturedFunction, stage: str, target: str, kernel: str) -> Any:
+    """`f` native vs rewritten by flash_jit at `stage`, as a `FunctionDiff`; a one-line
+    reason instead when `f` has no attention site."""
+    import dataclasses
+
+    import jax
+    from jax.extend.core import jaxpr_as_fun
+
+    from hlotool.flash import explain, flash_jit
+    from hlotool.passes.diff import FunctionDiff, by_site, diff_modules, site_nodes
+
+    native_pre = f.hlo(target=target)
+    sites = site_nodes(native_pre, f.name)
+    if not sites:
+        return f"{f.name}: no attention site"
+    fun = jaxpr_as_fun(f.closed_jaxpr)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in f.in_avals]
+    closed = jax.make_jaxpr(flash_jit(fun, kernel=kernel))(*args)
+    rewritten = dataclasses.replace(f, closed_jaxpr=closed, _lowered={}, _compiled={})
+    if stage == "hlo":
+        d = diff_modules(native_pre, rewritten.hlo(target=target))
+    else:
+        d = diff_modules(f.optimized(target), rewritten.optimized(target))
+        sites = [(site, set(), lines) for site, _, lines in sites]
+    if d.unchanged:
+        reasons = "; ".join(s.reason for s in explain(fun, *args, kernel=kernel).sites)
+        return f"{f.name}: flash_jit left every site native ({reasons})"
+    return FunctionDiff(f.name, stage, target, d, by_site(d, sites))
 
 
 def main() -> None:

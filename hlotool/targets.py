@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -74,19 +75,30 @@ def get_target(name: str | Target) -> Target:
 
 
 def default_jax_platforms() -> None:
-    """Keep jax on the CPU when the user chose no platform and no TPU is attached.
+    """Keep jax off the TPU probe when the user chose no platform and no TPU is attached.
 
-    With libtpu installed, jax probes for a TPU at first use and libtpu prints a screenful
-    of warnings about TPU environment variables; on a machine without TPU device files that
-    probe can only fail. Must run before jax initializes its backends.
+    With libtpu installed (hlotool depends on it for deviceless TPU compiles), jax probes
+    for a TPU at first use and libtpu prints a screenful of warnings about TPU environment
+    variables; on a machine without TPU device files that probe can only fail. An NVIDIA
+    GPU with jax's CUDA plugin stays available. Must run before jax initializes backends.
     """
-    if "JAX_PLATFORMS" in os.environ:
+    if "JAX_PLATFORMS" in os.environ or any(map(os.path.exists, _TPU_DEVICE_FILES)):
         return
-    attached = any(
-        os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0", "/dev/vfio/vfio")
+    cuda = os.path.exists("/dev/nvidia0") and any(
+        _installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13)
     )
-    if not attached:
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["JAX_PLATFORMS"] = "cuda,cpu" if cuda else "cpu"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+# TPU VMs expose chips as /dev/accel* (v4, v5e) or VFIO groups /dev/vfio/<n> (v5p, v6e).
+_TPU_DEVICE_FILES = ("/dev/accel0", "/dev/vfio/0")
 
 
 @functools.cache

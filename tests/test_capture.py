@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hlotool import capture
+from hlotool import capture, targets
 from hlotool.capture import (
     NothingCapturedError,
     ScriptError,
@@ -146,17 +146,30 @@ def test_unknown_target_lists_valid_names():
         "cpu", "tpu-v5e", "tpu-v5p", "tpu-v6e"}
 
 
+@pytest.mark.parametrize(
+    ("devices", "cuda_plugin", "expected"),
+    [
+        ({"/dev/accel0"}, False, None),  # a TPU is attached: let jax find it
+        ({"/dev/vfio/0"}, False, None),
+        (set(), False, "cpu"),
+        ({"/dev/nvidia0"}, False, "cpu"),
+        ({"/dev/nvidia0"}, True, "cuda,cpu"),
+    ],
+)
+def test_default_jax_platforms(monkeypatch, devices, cuda_plugin, expected):
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(os.path, "exists", lambda path: path in devices)
+    monkeypatch.setattr(targets, "_installed", lambda module: cuda_plugin)
+    default_jax_platforms()
+    assert os.environ.get("JAX_PLATFORMS") == expected
+
+
 def test_default_jax_platforms_respects_the_user(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
     default_jax_platforms()
     assert os.environ["JAX_PLATFORMS"] == "tpu"
-    monkeypatch.delenv("JAX_PLATFORMS")
-    monkeypatch.setattr(os.path, "exists", lambda path: path == "/dev/accel0")
-    default_jax_platforms()
-    assert "JAX_PLATFORMS" not in os.environ  # a TPU is attached: let jax find it
-    monkeypatch.setattr(os.path, "exists", lambda path: False)
-    default_jax_platforms()
-    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    assert targets._installed("no_such_package.sub") is False
+    assert targets._installed("jax._src.pjit") is True
 
 
 def test_hook_check_names_jax_version_and_missing_attribute(monkeypatch):
