@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
 import numpy as np
 
 from hlotool.passes import axes
@@ -37,7 +38,7 @@ SCORES = Op("dot_general", Any(), Any(), name="scores")
 LOGITS = Chain(
     SCORES,
     Step("scale", "mul", chain_at=(0, 1), sides=(Const(),)),
-    Step("scale", "div", chain_at=(0,), sides=(Const(),)),
+    Step("scale", "div", chain_at=(0,), sides=(Const(lambda v: v != 0),)),
     Step("bias", "add", chain_at=(0, 1), sides=(Any(),)),
     Step("bias", "sub", chain_at=(0,), sides=(Any(),)),
     Step("mask", "select", chain_at=(1, 2), sides=(Any(), Const(_is_large_negative))),
@@ -46,15 +47,15 @@ LOGITS = Chain(
 )
 
 
+# softmax(logits) along one axis; the axis is checked by `describe`.
 _ROW_MAX = Op("reduce_max", Same("logits"), name="row_max")
-_SHIFT = Through(Alt(_ROW_MAX, Op("max", _ROW_MAX, Const(lambda v: v == -math.inf),
-                                  commutative=True)))
+_SHIFT = Through(Alt(  # jax.nn.softmax writes max(reduce_max(x), -inf)
+    _ROW_MAX, Op("max", _ROW_MAX, Const(lambda v: v == -math.inf), commutative=True)))
 _EXP = Op("exp", Alt(Op("sub", LOGITS, _SHIFT), LOGITS), name="exp")
 _ROW_SUM = Through(Op("reduce_sum", Same("exp"), name="row_sum"))
 SOFTMAX = Alt(
-    Op("div", _EXP, _ROW_SUM, name="probs"),
-    Op("mul", _EXP, Through(Alt(Op("div", Const(lambda v: v == 1.0), _ROW_SUM),
-                                Op("reciprocal", _ROW_SUM))),
+    Op("div", _EXP, _ROW_SUM, name="probs"),  # e / sum(e)
+    Op("mul", _EXP, Through(Op("div", Const(lambda v: v == 1.0), _ROW_SUM)),  # e * (1 / sum(e))
        commutative=True, name="probs"),
 )
 
@@ -134,6 +135,7 @@ class Match:
     masks: tuple[MaskTerm, ...]  # in the order the program applies them
     body: tuple[Node, ...]  # every node computing the site from q/k/v/masks to `out`
     internals: dict[str, Node]  # scores, logits, row_max, exp, row_sum, probs
+    region: tuple = ()  # the matched graph's path (jaxpr body path, HLO computation name)
 
 
 def find(graph: Graph, function: str = "") -> list[Match]:
@@ -144,7 +146,7 @@ def find(graph: Graph, function: str = "") -> list[Match]:
         for m in ATTENTION.match(root, {}):
             match = describe(m, position, function)
             if match is not None:
-                found.append(match)
+                found.append(dataclasses.replace(match, region=graph.path))
                 break
     return found
 

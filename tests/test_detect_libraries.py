@@ -123,3 +123,18 @@ def test_jax_nn_dot_product_attention_bias_and_mask(frontend):
     (biased,) = detect(with_bias, (q, k, v, bias), frontend)
     (masked,) = detect(with_mask, (q, k, v, mask), frontend)
     assert biased.mask == "additive" and masked.mask == "boolean"
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_flax_linen_bfloat16_with_fp32_softmax(frontend):
+    model = nn.MultiHeadDotProductAttention(num_heads=H, dtype=jnp.bfloat16,
+                                           force_fp32_for_softmax=True)
+    x = X.astype(jnp.bfloat16)
+    params = model.init(jax.random.key(0), x)
+
+    def forward(params, x):
+        return model.apply(params, x)
+
+    (site,) = detect(forward, (params, x), frontend)
+    assert (site.dtype, site.softmax_dtype, site.scale) == ("bfloat16", "float32", 0.25)
+    assert site.score_bytes == B * H * L * L * 4
