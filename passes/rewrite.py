@@ -39,7 +39,9 @@ class RewriteError(HlotoolError):
 
 
 def free_inputs(jaxpr: core.Jaxpr, site: JaxprSite) -> list[Any]:
-    """Variables the site's equations read but do not define, in first-use order."""
+    """Variables a replacement may read: those the site's equations read but do not define,
+    in first-use order, then the masks' own operands (`MaskVar.var`, before the program
+    broadcast them), all defined before the site's output."""
     defined, seen, out = set(), set(), []
     for i in site.eqns:
         for v in jaxpr.eqns[i].invars:
@@ -48,6 +50,11 @@ def free_inputs(jaxpr: core.Jaxpr, site: JaxprSite) -> list[Any]:
             seen.add(v)
             out.append(v)
         defined.update(jaxpr.eqns[i].outvars)
+    for m in site.masks:
+        for v in (m.var, m.key_lengths):
+            if v is not None and v not in seen and v not in defined:
+                seen.add(v)
+                out.append(v)
     return out
 
 
@@ -157,7 +164,7 @@ def _rebuild(jaxpr: core.Jaxpr, here: Path,
 
 
 def rewrite(closed: core.ClosedJaxpr, replacements: Sequence[tuple[JaxprSite, Replacement]],
-            name: str = "flash_attention") -> core.ClosedJaxpr:
+            name: str = "hlotool_flash") -> core.ClosedJaxpr:
     """`closed` with each site computed by its replacement (traced as a `jit` named `name`).
 
     Sites must come from `detect_jaxpr(closed)`; their paths and equation indices refer to it.

@@ -1,0 +1,530 @@
+"""`flash_jit`: a `jax.jit` whose attention sites run in a flash kernel; `explain`: why (not).
+
+    fast = hlotool.flash_jit(fn, kernel="auto", validate=False, **jit_kwargs)
+    fast(*args)                     # jax.jit(fn) with each safe attention site rewritten
+    print(hlotool.explain(fn, *args))
+
+At trace time the wrapper traces `fn` to a jaxpr, detects the naive attention sites
+(`passes.from_jaxpr`), decides per site and per platform which kernel runs it (`decide`), and
+substitutes the sites (`passes.rewrite`) before evaluating the program on jit's tracers. A site
+whose kernel choice differs between platforms becomes `lax.platform_dependent`, so one traced
+program runs the chunked kernel (or the native equations) on CPU and exports to TPU with the
+Pallas kernel. A site stays native, with the reason in the report, when its intermediates are
+used elsewhere, when its masks could make a row differ from the naive program, or when no
+kernel pays on a platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+
+from hlotool import kernels
+from hlotool.errors import HlotoolError
+from hlotool.passes.attention import Layout
+from hlotool.passes.from_jaxpr import JaxprSite, MaskVar, detect_jaxpr, jaxpr_at
+from hlotool.passes.graph import Node, uniform_value
+from hlotool.passes.rewrite import Replacement, RewriteError, check, free_inputs, native, rewrite
+from hlotool.site import AttentionSite
+
+# Platforms a decision is made for; "cpu" stands for every platform without its own kernel.
+PLATFORMS = ("cpu", "tpu", "cuda")
+
+# Shortest key length at which `auto` swaps in a kernel, per platform. CPU: measured on the
+# 2-core dev machine (B=1, H=8, D=64, f32, jitted): chunked vs native 0.27/0.29 ms at L=64,
+# 0.75/1.47 ms at 128, 33.6/70.0 ms at 512, 404/905 ms at 2048 (causal). TPU/GPU: one
+# 128-key block, below which a tiled kernel only pads; a placeholder until cost models decide.
+MIN_KV_LEN = {"cpu": 128, "tpu": 128, "cuda": 128}
+
+# Relative tolerance (max |a - b| / max |b|) for validation, by dtype of the compared output.
+TOLERANCE = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What runs a site on one platform: a kernel name, or None for XLA's native path."""
+
+    kernel: str | None
+    reason: str
+
+
+def decide(site: AttentionSite, platform: str, kernel: str = "auto") -> Choice:
+    """The single policy deciding whether a kernel runs `site` on `platform`.
+
+    `kernel="auto"`: the platform's preferred kernel (`kernels.select`) once the key length
+    reaches `MIN_KV_LEN[platform]`; a kernel name: that kernel where it runs and supports the
+    site. A cost model can replace this function whole.
+    """
+    if kernel != "auto":
+        chosen = kernels.get(kernel)
+        if platform not in chosen.platforms:
+            return Choice(None, f"{kernel} does not run on {platform}")
+        support = chosen.supports(site)
+        return Choice(kernel, f"{kernel} requested") if support else Choice(None, support.reason)
+    if site.kv_len < MIN_KV_LEN[platform]:
+        return Choice(None, f"key length {site.kv_len} < {MIN_KV_LEN[platform]}: XLA's native "
+                            f"attention is as fast on {platform}")
+    try:
+        chosen, why = kernels.select(site, platform)
+    except kernels.KernelError as err:
+        return Choice(None, str(err))
+    return Choice(chosen.name, why)
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteReport:
+    """One site's outcome. `kernels[platform]` is the kernel name, None where native."""
+
+    site: AttentionSite
+    where: str
+    kernels: Mapping[str, str | None]
+    reason: str
+
+    @property
+    def rewritten(self) -> bool:
+        return any(self.kernels.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"site": self.site.to_json(), "where": self.where, "kernels": dict(self.kernels),
+                "rewritten": self.rewritten, "reason": self.reason}
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """Per-site decisions for one traced function; `str()` is a table."""
+
+    function: str
+    sites: tuple[SiteReport, ...]
+
+    @property
+    def rewritten(self) -> int:
+        return sum(s.rewritten for s in self.sites)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"function": self.function, "sites": [s.to_json() for s in self.sites]}
+
+    def __str__(self) -> str:
+        if not self.sites:
+            return f"{self.function}: no attention site"
+        lines = [f"{self.function}: {len(self.sites)} site(s), {self.rewritten} rewritten"]
+        for i, s in enumerate(self.sites):
+            a = s.site
+            per = ", ".join(f"{p}: {k or 'native'}" for p, k in s.kernels.items())
+            lines.append(
+                f"  [{i}] {a.source or '?'} ({s.where}) q{list(a.q_shape)} k{list(a.k_shape)} "
+                f"{a.dtype} mask={a.mask}\n      {per}\n      {s.reason}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# One site: blockers, operands in kernel terms, the replacement
+
+
+def _where(closed: core.ClosedJaxpr, site: JaxprSite) -> str:
+    if not site.path:
+        return "top level"
+    steps, jaxpr = [], closed.jaxpr
+    for index, param in site.path:
+        eqn = jaxpr.eqns[index]
+        steps.append(f"{eqn.primitive.name}.{param}")
+        jaxpr = jaxpr_at(closed, site.path[:len(steps)])
+    return " > ".join(steps)
+
+
+def _chain_input(node: Node, site: JaxprSite) -> Node | None:
+    """The input of a logits-chain node that carries the scores down to the dot."""
+    for term in site.match.masks:
+        if term.at is node:
+            if node.op == "select":
+                return node.inputs[1] if term.keep_when else node.inputs[2]
+            return next((i for i in node.inputs if i is not term.operand), None)
+    if node.op in ("mul", "div"):
+        free = [i for i in node.inputs if uniform_value(i) is None]
+        return free[0] if len(free) == 1 else None
+    if len(node.inputs) == 1:
+        return node.inputs[0]
+    return None
+
+
+def _bias_scales(site: JaxprSite) -> dict[int, float]:
+    """For each additive mask step (by id of its node), the scaling applied after it:
+    (s + b)·c is the kernel's c·s + (b·c)."""
+    node, after, out = site.match.internals["logits"], 1.0, {}
+    scores = site.match.internals["scores"]
+    for _ in range(64):
+        if node is scores:
+            return out
+        if any(t.at is node and t.kind == "additive" for t in site.match.masks):
+            out[id(node)] = after
+        elif node.op in ("mul", "div") and not any(t.at is node for t in site.match.masks):
+            value = next((uniform_value(i) for i in node.inputs if uniform_value(i) is not None),
+                         None)
+            if value is not None:
+                after = after * value if node.op == "mul" else after / value
+        nxt = _chain_input(node, site)
+        if nxt is None:
+            break
+        node = nxt
+    raise RewriteError("the order of the scale and bias steps could not be followed")
+
+
+def blocker(jaxpr: core.Jaxpr, site: JaxprSite) -> str | None:
+    """Why `site` must stay native on every platform, or None if a kernel can take it."""
+    try:
+        check(jaxpr, site)
+        _bias_scales(site)
+    except RewriteError as err:
+        return str(err)
+    operands = [m for m in site.masks if m.kind != "causal"]
+    if len(operands) > 1:
+        return f"{len(operands)} mask/bias operands on one site (a kernel takes one)"
+    if operands and operands[0].kind == "boolean" and site.causal:
+        return ("a causal and a boolean mask together: rows with every key masked would not "
+                "match the naive program")
+    return None
+
+
+def _compact(m: MaskVar, x: jax.Array) -> jax.Array:
+    """The mask operand `x` (value of `m.var`) brought to the scores' rank by `m.replay`,
+    with 1 on every axis the program broadcast, so a [B, 1, 1, Lk] padding mask is not
+    expanded to [B, H, Lq, Lk]."""
+    for node in m.replay:
+        if node.op == "broadcast":
+            compact = [1] * len(node.shape)
+            for i, d in enumerate(node.params["dims"]):
+                compact[d] = x.shape[i]
+            x = x.reshape(compact)
+        elif node.op == "transpose":
+            x = x.transpose(node.params["perm"])
+        elif node.op == "reshape":
+            x = jnp.broadcast_to(x, node.inputs[0].shape).reshape(node.shape)
+        else:
+            x = x.astype(node.dtype)
+    rank = len(m.at_shape)
+    return x.reshape((1,) * (rank - x.ndim) + tuple(x.shape)) if x.ndim < rank else x
+
+
+def _to_canonical(layout: Layout, x: jax.Array) -> jax.Array:
+    """`layout.to_canonical` for an operand with 1 on broadcast axes; a canonical axis comes
+    out 1 where the operand does not vary along it."""
+    from hlotool.passes.axes import reshape_groups
+
+    if tuple(x.shape) == layout.shape:
+        return layout.to_canonical(x)
+    split = list(layout.split)
+    small = [1] * len(split)
+    for ga, gb in reshape_groups(layout.shape, layout.split) or ():
+        if any(x.shape[a] != 1 for a in ga):
+            for j in gb:
+                small[j] = split[j]
+    x = x.reshape(small).transpose(layout.perm)
+    full = [split[p] for p in layout.perm]
+    for ga, _ in reshape_groups(tuple(full), layout.canonical) or ():
+        if len({x.shape[a] == 1 for a in ga}) > 1:
+            target = list(x.shape)
+            for a in ga:
+                target[a] = full[a]
+            x = jnp.broadcast_to(x, target)
+    groups = reshape_groups(tuple(full), layout.canonical) or []
+    canonical = [1] * len(layout.canonical)
+    for ga, gb in groups:
+        (c,) = gb
+        canonical[c] = int(np.prod([x.shape[a] for a in ga]))
+    return x.reshape(canonical)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operands:
+    """A site's call in kernel terms (see `hlotool.kernels.base`), plus how to restore rows
+    the naive program computes differently (rows whose every key is masked)."""
+
+    q: jax.Array  # [B, Lq, Hq, D]
+    k: jax.Array  # [B, Lk, Hkv, D]
+    v: jax.Array  # [B, Lk, Hkv, Dv]
+    scale: float
+    causal: bool
+    bias: jax.Array | None  # [B|1, Hq|1, Lq|1, Lk|1]
+    mask: jax.Array | None  # bool, same shape rule; True = attend
+    empty_rows: jax.Array | None  # bool [B|1, Hq|1, Lq|1, 1]: rows with no visible key
+    empty_value: jax.Array | None  # what the naive program gives there, [B, 1|Lq, Hq, Dv]
+
+
+def _operands(jaxpr: core.Jaxpr, site: JaxprSite, values: Mapping[Any, jax.Array]
+              ) -> _Operands:
+    q = site.q.layout.to_canonical(values[site.q.var])
+    k = site.k.layout.to_canonical(values[site.k.var]).astype(q.dtype)
+    v = site.v.layout.to_canonical(values[site.v.var]).astype(q.dtype)
+    scales = _bias_scales(site)
+    bias = mask = empty = empty_value = None
+    terms = {id(t.at): t for t in site.match.masks}
+    for m in site.masks:
+        if m.kind == "causal":
+            continue
+        x = _to_canonical(m.scores_layout, _compact(m, values[m.var]))
+        if m.kind == "additive":
+            at = next(t.at for t in terms.values() if t.kind == "additive")
+            bias = x.astype(jnp.float32) * (m.sign * scales[id(at)])
+            hidden = jnp.isneginf(bias)
+            if site.causal:
+                lq, lk = q.shape[1], k.shape[1]
+                hidden = hidden | (np.arange(lk)[None, :] > np.arange(lq)[:, None])
+            empty = jnp.all(hidden, axis=-1, keepdims=True)
+            empty_value = jnp.full((), jnp.nan, q.dtype)
+        else:
+            mask = x if m.keep_when else ~x
+            empty = ~jnp.any(mask, axis=-1, keepdims=True)
+            if m.fill is None or math.isinf(m.fill):
+                empty_value = jnp.full((), jnp.nan, q.dtype)
+            else:
+                # Every logit of such a row equals the fill: softmax is uniform over all keys.
+                g = q.shape[2] // k.shape[2]
+                mean = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True)
+                empty_value = jnp.repeat(mean, g, axis=2).astype(q.dtype)
+    return _Operands(q, k, v, site.scale, site.causal, bias, mask, empty, empty_value)
+
+
+def _kernel_output(name: str, ops: _Operands) -> jax.Array:
+    """[B, Lq, Hq, Dv] from kernel `name`, with empty rows as the naive program has them."""
+    out = kernels.get(name)(ops.q, ops.k, ops.v, scale=ops.scale, bias=ops.bias,
+                            mask=ops.mask, causal=ops.causal)
+    if ops.empty_rows is not None:
+        out = jnp.where(jnp.swapaxes(ops.empty_rows, 1, 2), ops.empty_value, out)
+    return out
+
+
+def replacement(jaxpr: core.Jaxpr, site: JaxprSite, plan: Mapping[str, str | None],
+                sharded: Callable[[Callable, _Operands], jax.Array] | None = None
+                ) -> Replacement:
+    """The function computing `site.out` under `plan` (platform → kernel name or None)."""
+    inputs = free_inputs(jaxpr, site)
+    naive = native(jaxpr, site)
+    out_aval = site.out.aval
+
+    def branch(name: str | None) -> Callable[..., jax.Array]:
+        def run(*xs):
+            values = dict(zip(inputs, xs))
+            if name is None:
+                return naive(values)
+            ops = _operands(jaxpr, site, values)
+            call = functools.partial(_kernel_output, name)
+            y = sharded(call, ops) if sharded is not None else call(ops)
+            return site.out_layout.from_canonical(y).astype(out_aval.dtype)
+        return run
+
+    def run(values: Mapping[Any, jax.Array]) -> jax.Array:
+        xs = [values[v] for v in inputs]
+        if len(set(plan.values())) == 1:
+            return branch(plan["cpu"])(*xs)
+        return jax.lax.platform_dependent(
+            *xs, tpu=branch(plan["tpu"]), cuda=branch(plan["cuda"]), default=branch(plan["cpu"]))
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------
+# Whole programs
+
+
+def site_key(site: JaxprSite) -> tuple:
+    """Identity of a site across traces of the same function and signature."""
+    return (site.path, site.eqns)
+
+
+def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
+                 disabled: Mapping[tuple, str] | None = None,
+                 sharded: Callable | None = None,
+                 ) -> tuple[Report, list[tuple[JaxprSite, Replacement]]]:
+    """Detect and decide every site of `closed`: the report and the replacements to apply."""
+    disabled = disabled or {}
+    reports, replacements = [], []
+    for site in detect_jaxpr(closed, function):
+        jaxpr = jaxpr_at(closed, site.path)
+        reason = disabled.get(site_key(site)) or blocker(jaxpr, site)
+        if reason is None:
+            choices = {p: decide(site.site, p, kernel) for p in PLATFORMS}
+            plan = {p: c.kernel for p, c in choices.items()}
+            reason = "; ".join(f"{p}: {c.reason}" for p, c in choices.items())
+            if any(plan.values()):
+                replacements.append((site, replacement(jaxpr, site, plan, sharded)))
+        else:
+            plan = dict.fromkeys(PLATFORMS)
+        reports.append(SiteReport(site.site, _where(closed, site), plan, reason))
+    return Report(function, tuple(reports)), replacements
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, (core.Tracer, jax.Array, np.ndarray, np.generic,
+                             jax.ShapeDtypeStruct))
+
+
+def trace(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]
+          ) -> tuple[core.ClosedJaxpr, list[Any], Callable[[list[Any]], Any]]:
+    """`fn(*args, **kwargs)` as a ClosedJaxpr over its array leaves (other leaves are closed
+    over as static), those leaves, and how to rebuild the output pytree from flat outputs."""
+    leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
+    at = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+
+    def flat(*dyn):
+        full = list(leaves)
+        for i, x in zip(at, dyn):
+            full[i] = x
+        a, kw = jax.tree.unflatten(tree, full)
+        return fn(*a, **kw)
+
+    dyn = [leaves[i] for i in at]
+    try:
+        closed, shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
+    except TypeError as err:
+        raise HlotoolError(f"cannot trace {_name(fn)}: {err}".splitlines()[0]) from err
+    out_tree = jax.tree.structure(shape)
+    return closed, dyn, lambda outs: jax.tree.unflatten(out_tree, outs)
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+class _Rewritten:
+    """`fn` with its attention sites substituted at trace time; what `flash_jit` jits."""
+
+    def __init__(self, fn: Callable, kernel: str, sharded: Callable | None):
+        if kernel != "auto":
+            kernels.get(kernel)  # an unknown name fails here, in one line
+        self.fn, self.kernel, self.sharded = fn, kernel, sharded
+        self.disabled: dict[tuple, str] = {}
+        self.report: Report | None = None
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        closed, dyn, unflatten = trace(self.fn, args, kwargs)
+        self.report, replacements = plan_program(closed, _name(self.fn), self.kernel,
+                                                 self.disabled, self.sharded)
+        closed = rewrite(closed, replacements)
+        return unflatten(core.eval_jaxpr(closed.jaxpr, closed.consts, *dyn))
+
+
+def explain(fn: Callable, *args: Any, kernel: str = "auto", **kwargs: Any) -> Report:
+    """Per site of `fn(*args, **kwargs)`: which kernel runs it on each platform, or why it
+    stays native. Array leaves of the arguments are traced; everything else is static."""
+    if kernel != "auto":
+        kernels.get(kernel)
+    closed, _, _ = trace(fn, args, kwargs)
+    report, _ = plan_program(closed, _name(fn), kernel)
+    return report
+
+
+def flash_jit(fn: Callable, *, kernel: str = "auto", validate: bool = False,
+              **jit_kwargs: Any):
+    """`jax.jit(fn, **jit_kwargs)` with every attention site `decide` accepts run in a kernel.
+
+    kernel: "auto" (per platform, see `decide`) or a kernel name (`hlotool.kernels.names()`).
+    validate: on the first call, compare outputs and gradients with `jax.jit(fn)` and fall
+    back to native, with a warning naming the site and the error, where they differ.
+    Returns a `jax.jit`-wrapped function (`.lower`, `.trace`, `jax.export` work).
+    """
+    rewritten = _Rewritten(fn, kernel, None)
+    jitted = jax.jit(rewritten, **jit_kwargs)
+    if not validate:
+        return jitted
+    return _Validated(fn, rewritten, jit_kwargs)
+
+
+def _worst_error(got: Any, want: Any) -> tuple[float, str] | None:
+    """(max|a - b| / max|b|, dtype) of the leaf furthest beyond its dtype's tolerance, or
+    None when every leaf is within it. NaN must sit where the reference has NaN."""
+    worst = None
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        dtype = jnp.result_type(b).name
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if not np.array_equal(np.isnan(a), np.isnan(b)):
+            err = math.inf
+        else:
+            a, b = np.nan_to_num(a), np.nan_to_num(b)
+            err = np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0),
+                                                          1e-30)
+        tol = TOLERANCE.get(dtype, 0.0)
+        if err > tol and (worst is None or err / max(tol, 1e-30) > worst[0] / max(
+                TOLERANCE.get(worst[1], 0.0), 1e-30)):
+            worst = (float(err), dtype)
+    return worst
+
+
+def _outputs_and_grads(f: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """f's outputs, and the gradient of a fixed random projection of its float outputs with
+    respect to its float array arguments (None when there is nothing to differentiate)."""
+    out = f(*args, **kwargs)
+    leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
+    at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))
+          and jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    floats = [x for x in jax.tree.leaves(out) if jnp.issubdtype(jnp.result_type(x),
+                                                                 jnp.floating)]
+    if not at or not floats:
+        return out, None
+    rng = np.random.default_rng(0)
+    weights = [jnp.asarray(rng.standard_normal(np.shape(x)), jnp.float32) for x in floats]
+
+    def projected(*xs):
+        full = list(leaves)
+        for i, x in zip(at, xs):
+            full[i] = x
+        a, kw = jax.tree.unflatten(tree, full)
+        outs = [x for x in jax.tree.leaves(f(*a, **kw))
+                if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+        return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, weights))
+
+    return out, jax.grad(projected, argnums=tuple(range(len(at))))(*[leaves[i] for i in at])
+
+
+class _Validated:
+    """flash_jit(validate=True): checks the first call against jax.jit(fn), per site."""
+
+    def __init__(self, fn: Callable, rewritten: _Rewritten, jit_kwargs: Mapping[str, Any]):
+        self._fn, self._rewritten, self._jit_kwargs = fn, rewritten, dict(jit_kwargs)
+        self._jitted = jax.jit(rewritten, **jit_kwargs)
+        self._validated = False
+        functools.update_wrapper(self, fn)
+
+    def __getattr__(self, name: str) -> Any:  # .lower, .trace, .eval_shape, ...
+        return getattr(self._jitted, name)
+
+    def __call__(self, *args, **kwargs):
+        if not self._validated:
+            self._validate(args, kwargs)
+            self._validated = True
+        return self._jitted(*args, **kwargs)
+
+    def _run(self, args, kwargs, only: tuple | None, keys: Sequence[tuple]) -> Any:
+        rewritten = _Rewritten(self._fn, self._rewritten.kernel, self._rewritten.sharded)
+        rewritten.disabled = {k: "validation" for k in keys if k != only}
+        return _outputs_and_grads(jax.jit(rewritten, **self._jit_kwargs), args, kwargs)
+
+    def _validate(self, args, kwargs) -> None:
+        closed, _, _ = trace(self._fn, args, kwargs)
+        _, replacements = plan_program(closed, _name(self._fn), self._rewritten.kernel)
+        keys = [site_key(s) for s, _ in replacements]
+        if not keys:
+            return
+        want = _outputs_and_grads(jax.jit(self._fn, **self._jit_kwargs), args, kwargs)
+        for (site, _), key in zip(replacements, keys):
+            try:
+                worst = _worst_error(self._run(args, kwargs, key, keys), want)
+                problem = worst and (
+                    f"outputs or gradients differ from jax.jit by {worst[0]:.3g} (relative; "
+                    f"{worst[1]} tolerance {TOLERANCE.get(worst[1], 0.0):g})")
+            except Exception as exc:  # noqa: BLE001 - any kernel failure means: keep native
+                problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if problem:
+                where = site.site.source or str(key)
+                warnings.warn(f"flash_jit: attention at {where} stays native: {problem}",
+                              stacklevel=3)
+                self._rewritten.disabled[key] = f"validation failed: {problem}"
+        if self._rewritten.disabled:
+            self._jitted = jax.jit(self._rewritten, **self._jit_kwargs)

@@ -1,0 +1,262 @@
+"""flash_jit: outputs and gradients equal jax.jit(fn); sites gone from the rewritten program;
+native (with the reason) where a rewrite would not be exact."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import hlotool
+from hlotool import flash
+from hlotool.errors import HlotoolError
+from hlotool.passes.from_jaxpr import detect_jaxpr
+
+B, L, H, D = 1, 128, 2, 16  # L = MIN_KV_LEN["cpu"]: the smallest length auto rewrites on CPU
+rng = np.random.default_rng(0)
+
+
+def arr(*shape, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+Q, K, V = arr(B, L, H, D), arr(B, L, H, D), arr(B, L, H, D)
+
+
+def attend(q, k, v, scale=0.25, bias=None, mask=None, fill=-jnp.inf):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if bias is not None:
+        s = s + bias
+    if mask is not None:
+        s = jnp.where(mask, s, fill)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+
+def causal(q, k, v):
+    return attend(q, k, v, mask=jnp.tril(jnp.ones((L, L), bool)), fill=-1e9)
+
+
+def causal_iota(q, k, v):
+    i, j = lax.broadcasted_iota(jnp.int32, (L, L), 0), lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    return attend(q, k, v, mask=i >= j)
+
+
+def bias_then_scale(q, k, v, bias):
+    s = (jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias) * 0.5  # kernel bias is 0.5 * bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+
+def alibi(q, k, v):
+    slopes = 2.0 ** (-8.0 * (jnp.arange(H) + 1) / H)
+    return attend(q, k, v, bias=slopes[:, None, None] * (jnp.arange(L)[None] - jnp.arange(L)[:, None]))
+
+
+def key_padding(q, k, v, lengths):
+    valid = jnp.arange(L)[None, :] < lengths[:, None]
+    return attend(q, k, v, mask=valid[:, None, None, :], fill=jnp.finfo(jnp.float32).min)
+
+
+def bhld_matmul(q, k, v):
+    qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    return jax.nn.softmax(qt @ kt.swapaxes(-1, -2) / math.sqrt(D)) @ vt
+
+
+def merged_batch_heads(q, k, v):
+    qm, km, vm = (x.transpose(0, 2, 1, 3).reshape(B * H, L, D) for x in (q, k, v))
+    s = jnp.einsum("nqd,nkd->nqk", qm, km) * 0.25
+    return jnp.einsum("nqk,nkd->nqd", jax.nn.softmax(s), vm).reshape(B, H, L, D)
+
+
+def gqa(q, k, v):
+    return attend(q, jnp.repeat(k[:, :, :1], H, axis=2), jnp.repeat(v[:, :, :1], H, axis=2))
+
+
+def unbatched(q, k, v):
+    s = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s), v)
+
+
+def nested_jit(q, k, v):
+    return jax.jit(jax.jit(causal))(q, k, v) * 2.0
+
+
+def checkpointed(q, k, v):
+    return jax.checkpoint(causal)(q, k, v)
+
+
+CASES = [
+    (causal, (Q, K, V)), (causal_iota, (Q, K, V)), (alibi, (Q, K, V)),
+    (bias_then_scale, (Q, K, V, arr(1, H, L, L))),
+    (key_padding, (Q, K, V, jnp.array([100]))), (bhld_matmul, (Q, K, V)),
+    (merged_batch_heads, (Q, K, V)), (gqa, (Q, K, V)), (jax.vmap(unbatched), (Q, K, V)),
+    (nested_jit, (Q, K, V)), (checkpointed, (Q, K, V)),
+]
+IDS = ["causal", "causal_iota", "alibi", "bias_then_scale", "key_padding", "bhld_matmul",
+       "merged_batch_heads", "gqa", "vmap", "nested_jit", "checkpoint"]
+
+
+def relative_error(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def remaining_sites(fn, *args) -> int:
+    return len(detect_jaxpr(jax.make_jaxpr(fn)(*args)))
+
+
+@pytest.mark.parametrize("fn, args", CASES, ids=IDS)
+def test_outputs_equal_and_no_naive_site_left(fn, args):
+    fast = hlotool.flash_jit(fn)
+    assert relative_error(fast(*args), jax.jit(fn)(*args)) < 1e-5
+    assert remaining_sites(fast, *args) == 0 < remaining_sites(fn, *args)
+    (report,) = hlotool.explain(fn, *args).sites
+    assert (report.kernels["cpu"], report.kernels["tpu"]) == ("chunked", "pallas_tpu")
+
+
+@pytest.mark.parametrize("fn, args", [CASES[0], CASES[3], CASES[4], CASES[7]],
+                         ids=["causal", "bias_then_scale", "key_padding", "gqa"])
+def test_gradients_equal(fn, args):
+    def loss(f):
+        return lambda q, k, v, *rest: jnp.sum(f(q, k, v, *rest) * V)
+
+    want = jax.grad(loss(fn), argnums=(0, 1, 2))(*args)
+    got = jax.jit(jax.grad(loss(hlotool.flash_jit(fn)), argnums=(0, 1, 2)))(*args)
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < 1e-5
+
+
+def test_backward_never_materializes_scores():
+    """No [.., Lq, Lk] float array anywhere in the jaxpr of grad(flash_jit(loss)) at a key
+    length above the chunked kernel's blocks (1024 x 512)."""
+    n = 1024
+    q = arr(1, n, 1, 8)
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v, mask=jnp.tril(jnp.ones((n, n), bool))))
+
+    def has_scores(jaxpr) -> bool:
+        for eqn in jaxpr.eqns:
+            if any(getattr(v.aval, "shape", ())[-2:] == (n, n) and v.aval.dtype == jnp.float32
+                   for v in eqn.outvars):
+                return True
+            if any(has_scores(sub) for sub in jax.core.jaxprs_in_params(eqn.params)):
+                return True
+        return False
+
+    grad = jax.grad(hlotool.flash_jit(loss, kernel="chunked"), argnums=(0, 1, 2))
+    assert not has_scores(jax.make_jaxpr(grad)(q, q, q).jaxpr)
+    assert has_scores(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q).jaxpr)
+
+
+@pytest.mark.parametrize("fill, expect_nan", [(-jnp.inf, True),
+                                              (float(jnp.finfo(jnp.float32).min), False)])
+def test_rows_with_every_key_masked_match_native(fill, expect_nan):
+    def masked(q, k, v, mask):
+        return attend(q, k, v, mask=mask, fill=fill)
+
+    mask = jnp.asarray(rng.random((1, 1, L, L)) > 0.5).at[0, 0, 3].set(False)
+    got, want = hlotool.flash_jit(masked)(Q, K, V, mask), jax.jit(masked)(Q, K, V, mask)
+    assert bool(jnp.isnan(want[0, 3]).all()) == expect_nan
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert relative_error(jnp.nan_to_num(got), jnp.nan_to_num(want)) < 1e-5
+
+
+def test_scanned_stack_is_one_site_rewritten_once():
+    def stack(x, w):
+        def layer(h, wl):
+            q, k, v = (jnp.einsum("bld,de->ble", h, wl[i]).reshape(B, L, H, D) for i in range(3))
+            return causal(q, k, v).reshape(B, L, H * D), None
+        return lax.scan(layer, x, w)[0]
+
+    args = (arr(B, L, H * D), arr(24, 3, H * D, H * D) / 8)
+    fast = hlotool.flash_jit(stack)
+    assert relative_error(fast(*args), jax.jit(stack)(*args)) < 1e-5
+    text = str(jax.make_jaxpr(fast)(*args))
+    assert text.count("name=hlotool_flash") == 1
+    assert remaining_sites(fast, *args) == 0
+    assert hlotool.explain(stack, *args).sites[0].where == "scan.jaxpr"
+
+
+def test_escaping_probabilities_stay_native():
+    def with_probs(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v), p.mean()
+
+    (site,) = hlotool.explain(with_probs, Q, K, V).sites
+    assert not site.rewritten and "used outside it" in site.reason
+    got, want = hlotool.flash_jit(with_probs)(Q, K, V), jax.jit(with_probs)(Q, K, V)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_differentiated_function_stays_native_with_reason():
+    def train_step(q, k, v):
+        return jax.value_and_grad(lambda q: jnp.sum(causal(q, k, v) ** 2))(q)
+
+    (site,) = hlotool.explain(train_step, Q, K, V).sites
+    assert not site.rewritten and "gradient" in site.reason
+    got, want = hlotool.flash_jit(train_step)(Q, K, V), jax.jit(train_step)(Q, K, V)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_short_keys_stay_native():
+    def short(q, k, v):
+        return attend(q, k, v)
+
+    q = Q[:, :64]
+    (site,) = hlotool.explain(short, q, q, q).sites
+    assert not site.rewritten and "key length 64 < 128" in site.reason
+    assert remaining_sites(hlotool.flash_jit(short), q, q, q) == 1
+
+
+def test_bfloat16_within_tolerance():
+    args = tuple(x.astype(jnp.bfloat16) for x in (Q, K, V))
+    got, want = hlotool.flash_jit(causal)(*args), jax.jit(causal)(*args)
+    assert got.dtype == jnp.bfloat16 and relative_error(got, want) < 2e-2
+
+
+def test_forced_kernel_and_errors():
+    assert hlotool.explain(causal, Q, K, V, kernel="chunked").sites[0].kernels == {
+        "cpu": "chunked", "tpu": "chunked", "cuda": "chunked"}
+    report = hlotool.explain(causal, Q, K, V, kernel="pallas_tpu").sites[0]
+    assert report.kernels["cpu"] is None and "pallas_tpu does not run on cpu" in report.reason
+    with pytest.raises(HlotoolError, match="no kernel named 'flash9'"):
+        hlotool.flash_jit(causal, kernel="flash9")
+
+
+def test_jit_api_static_args_and_report_text():
+    def scaled(q, k, v, scale):
+        return attend(q, k, v, scale=scale)
+
+    fast = hlotool.flash_jit(scaled, static_argnames="scale")
+    assert relative_error(fast(Q, K, V, scale=0.5), jax.jit(scaled, static_argnames="scale")(
+        Q, K, V, scale=0.5)) < 1e-5
+    assert "hlotool_flash" in fast.lower(Q, K, V, scale=0.5).as_text()
+    assert fast.__name__ == "scaled"
+    text = str(hlotool.explain(scaled, Q, K, V, 0.5))
+    assert "1 site(s), 1 rewritten" in text and "cpu: chunked" in text
+
+
+def test_validate_accepts_a_correct_rewrite():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = hlotool.flash_jit(causal, validate=True)
+        assert relative_error(fast(Q, K, V), jax.jit(causal)(Q, K, V)) < 1e-5
+    assert "hlotool_flash" in fast.lower(Q, K, V).as_text()
+
+
+def test_validate_falls_back_and_names_the_site(monkeypatch):
+    real = flash._kernel_output
+    monkeypatch.setattr(flash, "_kernel_output", lambda name, ops: real(name, ops) * 1.01)
+    fast = hlotool.flash_jit(causal, validate=True)
+    with pytest.warns(UserWarning, match=r"attention at .*test_rewrite.py:\d+ stays native: "
+                                         r"outputs or gradients differ"):
+        got = fast(Q, K, V)
+    np.testing.assert_array_equal(got, jax.jit(causal)(Q, K, V))
+    assert "hlotool_flash" not in fast.lower(Q, K, V).as_text()
