@@ -400,6 +400,15 @@ def _diff_function(f: CapturedFunction, stage: str, target: str, kernel: str) ->
     return FunctionDiff(f.name, stage, target, d, by_site(d, sites))
 
 
+def _register_cost() -> None:
+    from hlotool.cost.command import command
+
+    cli.add_command(command())
+
+
+_register_cost()
+
+
 def main() -> None:
     """Console entry point (``hlotool``, ``python -m hlotool``)."""
     default_jax_platforms()
