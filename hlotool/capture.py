@@ -24,12 +24,15 @@ import inspect
 import os
 import runpy
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import click
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
+from jax._src import source_info_util
 from jax._src.interpreters import pxla
 
 from hlotool.errors import HlotoolError
@@ -71,6 +74,25 @@ def _check_hook() -> Callable[..., Any]:
 
 
 _LOWER = _check_hook()
+
+
+def _exclude_tool_frames() -> None:
+    """Keep hlotool's, click's and its launchers' frames out of source locations.
+
+    A script captured through the CLI is traced beneath those frames; jax records every
+    non-library frame of the stack in the HLO stack-frame tables, which should show the
+    user's code only. Cosmetic: without jax's exclusion list the tables merely keep them.
+    """
+    register = getattr(source_info_util, "register_exclusion", None)
+    if register is None:
+        return
+    for path in (os.path.dirname(__file__), os.path.dirname(click.__file__),
+                 sysconfig.get_path("scripts")):
+        register(os.path.abspath(path) + os.sep)
+    register("<frozen runpy>")  # `python -m hlotool`
+
+
+_exclude_tool_frames()
 
 
 @dataclasses.dataclass(eq=False)

@@ -124,6 +124,10 @@ def test_dump_each_stage(script, tmp_path):
     assert len(os.listdir(out)) == 8
     hlo = (out / "001_jit_attention.cpu.hlo.txt").read_text()
     assert "metadata={op_name=" in hlo and "stack_frame_id=" in hlo
+    # Source locations are the user's: hlotool's own and click's frames are left out.
+    file_names = hlo.split("FileNames\n")[1].split("\n\n")[0]
+    assert f'"{script()}"' in file_names
+    assert "/hlotool/" not in file_names and "/click/" not in file_names
 
 
 def test_dump_tpu_optimized(script, tmp_path):
