@@ -395,7 +395,8 @@ def _diff_function(f: CapturedFunction, stage: str, target: str, kernel: str) ->
         d = diff_modules(f.optimized(target), rewritten.optimized(target))
         sites = [(site, set(), lines) for site, _, lines in sites]
     if d.unchanged:
-        reasons = "; ".join(s.reason for s in explain(fun, *args, kernel=kernel).sites)
+        report = explain(fun, *args, kernel=kernel)
+        reasons = "; ".join(dict.fromkeys(s.reason for s in report.sites))
         return f"{f.name}: flash_jit left every site native ({reasons})"
     return FunctionDiff(f.name, stage, target, d, by_site(d, sites))
 

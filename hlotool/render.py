@@ -76,9 +76,14 @@ def category(opcode: str) -> str:
 
 
 def _walkable(diff: ModuleDiff, side: str, user: str, data: dict) -> bool:
-    """Edges a neighbourhood grows along: operand uses, and into fusion bodies (not into
-    reducers or loop bodies, which are drawn only when a change lies inside them)."""
-    return data["kind"] == "operand" or diff.instruction(side, user).opcode == "fusion"
+    """Edges a neighbourhood grows along: operand uses, and into the bodies of changed
+    fusions (a kept fusion is one node; reducers and loop bodies are drawn only when a
+    change lies inside them)."""
+    return data["kind"] == "operand" or _changed_fusion(diff, side, user)
+
+
+def _changed_fusion(diff: ModuleDiff, side: str, node: str) -> bool:
+    return diff.instruction(side, node).opcode == "fusion" and diff.status(side, node) != KEPT
 
 
 def neighbourhood(diff: ModuleDiff, change: SiteChange, side: str,
@@ -110,11 +115,10 @@ def neighbourhood(diff: ModuleDiff, change: SiteChange, side: str,
                     seen[w] = None
                     nxt.append(w)
         frontier = nxt
-    nodes = list(seen)
-    # Whole fusion bodies, so a drawn fusion is never cut in half.
-    for n in list(nodes):
+    # Whole bodies of changed fusions, so a drawn cluster is never cut in half.
+    for n in list(seen):
         for u, v, d in graph.in_edges(n, data=True):
-            if d["kind"] == "called" and diff.instruction(side, n).opcode == "fusion":
+            if d["kind"] == "called" and _changed_fusion(diff, side, n):
                 comp = graph.nodes[u]["computation"]
                 seen.update(dict.fromkeys(
                     w for w, data in graph.nodes(data=True) if data["computation"] == comp))

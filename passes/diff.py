@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 import networkx as nx
 
 from hlotool.errors import HlotoolError
-from hlotool.hlo import Instruction, Module, node_id, parse_module, to_graph
+from hlotool.hlo import Computation, Instruction, Module, node_id, parse_module, to_graph
 from hlotool.hlo.ir import CALLED_COMPUTATION_ATTRS, split_names
 from hlotool.hlo.printer import print_instruction
 from hlotool.site import AttentionSite
@@ -40,6 +40,12 @@ _IGNORED_ATTRS = frozenset({"metadata", *CALLED_COMPUTATION_ATTRS})
 _MAX_ATTR_CHARS = 160
 
 KEPT, REMOVED, ADDED = "kept", "removed", "added"
+
+# Operand-free instructions whose value is not fixed by the program text.
+_NOT_CONSTANT = frozenset({
+    "parameter", "custom-call", "rng", "rng-bit-generator", "rng-get-and-update-state",
+    "infeed", "recv", "partition-id", "replica-id", "after-all",
+})
 
 
 def _local_key(inst: Instruction) -> tuple:
@@ -59,6 +65,7 @@ class _Side:
     fingerprint: dict[str, int]
     height: dict[str, int]
     local: dict[str, tuple]
+    constant: set[str]  # values computed from constants alone (a mask built from iotas)
     callers: dict[str, list[str]]  # computation → node ids of instructions that call it
 
     @classmethod
@@ -72,7 +79,7 @@ class _Side:
             for i in comp:
                 for callee in i.called_computations:
                     callers[callee].append(node_id(comp.name, i.name))
-        side = cls(module, graph, inst, order, {}, {}, {}, dict(callers))
+        side = cls(module, graph, inst, order, {}, {}, {}, set(), dict(callers))
         side._fingerprint()
         return side
 
@@ -84,6 +91,10 @@ class _Side:
         comps = self.module.computations
         return [node_id(c, comps[c].root.name) for c in self.inst[n].called_computations
                 if c in comps]
+
+    def is_entry_parameter(self, n: str) -> bool:
+        return (self.inst[n].opcode == "parameter"
+                and self.graph.nodes[n]["computation"] == self.module.entry.name)
 
     def users(self, n: str) -> list[tuple[str, int]]:
         """(user, operand position) for every operand use of `n`."""
@@ -102,6 +113,11 @@ class _Side:
             self.local[n] = local
             self.fingerprint[n] = hash((local, *(self.fingerprint[d] for d in deps[n])))
             self.height[n] = 1 + max((self.height[d] for d in deps[n]), default=0)
+            inst = self.inst[n]
+            if (inst.opcode not in _NOT_CONSTANT
+                    and (inst.opcode == "fusion" or not inst.called_computations)
+                    and all(d in self.constant for d in self.operands(n))):
+                self.constant.add(n)
 
 
 class _Matcher:
@@ -172,6 +188,8 @@ class _Matcher:
         stack = list(pairs)
         while stack:
             x, y = stack.pop()
+            if _is_leaf(self.a.inst[x]) and not self.a.is_entry_parameter(x):
+                continue  # a constant or a loop's state has users everywhere: no evidence
             users_b = [(u, i) for u, i in self.b.users(y) if u not in self.back]
             for ux, index in sorted(self.a.users(x), key=lambda t: self.a.order[t[0]]):
                 if ux in self.fwd:
@@ -211,7 +229,8 @@ class ChangeStats:
         """One line, e.g. ``−14 instructions, +3 (1 custom-call tpu_custom_call), L×L buffers 2 → 0``."""
         if not (self.removed or self.added):
             return "no change"
-        parts = [f"−{self.removed} instructions", f"+{self.added}"]
+        parts = [f"−{self.removed} instructions", f"+{self.added}"] if self.removed else \
+            [f"+{self.added} instructions"]
         extra = [f"{n} custom-call {t}" for t, n in
                  collections.Counter(self.custom_calls_added).items()]
         if extra:
@@ -326,10 +345,10 @@ class ModuleDiff:
 
 def _custom_call(inst: Instruction) -> str:
     """The call's target, plus the op name XLA gave it when XLA made it (XLA:TPU's own
-    attention is ``tpu_custom_call (online-softmax)``; jax's op names are paths with '/')."""
+    attention is ``tpu_custom_call[online-softmax]``; jax's op names are paths with '/')."""
     target = inst.custom_call_target or "?"
     op_name = inst.metadata.get("op_name", "")
-    return f"{target} ({op_name})" if op_name and "/" not in op_name else target
+    return f"{target}[{op_name}]" if op_name and "/" not in op_name else target
 
 
 def _score_sized(inst: Instruction, site: AttentionSite) -> bool:
@@ -414,11 +433,11 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
              added: list[str]) -> list[Region]:
     """Groups changed nodes. Two changed nodes of one side join when an operand edge or a
     call edge links them (a computation with several callers, such as a shared reducer,
-    joins its first caller only); a removed and an added node join when they touch the same kept
-    instruction, kept leaves excepted (parameters and constants are shared too widely to say
-    anything). A changed leaf joins its first changed user only, so a constant shared by
-    two sites does not merge them; a leaf with none (a constant left dead by the rewrite)
-    joins the group nearest to it in text order."""
+    joins its first caller only); a removed and an added node join when they touch the same
+    kept instruction. Constant values (literals, iotas, masks built from them) are shared too
+    widely to say anything: a changed one joins its first changed user only, so a mask
+    constant shared by two sites does not merge them, and one with none (a constant left
+    dead by the rewrite) joins the group nearest to it in text order."""
     parent: dict[tuple[str, str], tuple[str, str]] = {}
 
     def find(x: tuple[str, str]) -> tuple[str, str]:
@@ -432,7 +451,9 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
 
     parent.update({("a", n): ("a", n) for n in removed})
     parent.update({("b", n): ("b", n) for n in added})
-    touching: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
+    # Kept instructions a change feeds (its consumers) and reads (its inputs), by after id.
+    feeds: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
+    reads: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
     for tag, side, changed in (("a", a, removed), ("b", b, added)):
         for n in changed:
             edges = [*side.graph.in_edges(n, data=True), *side.graph.out_edges(n, data=True)]
@@ -441,19 +462,32 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
                     continue  # a shared computation (reducer) belongs to its first caller
                 w = u if v == n else v
                 if (tag, w) in parent:
-                    if not (_is_leaf(side.inst[n]) or _is_leaf(side.inst[w])):
+                    if n not in side.constant and w not in side.constant:
                         union((tag, w), (tag, n))
-                elif not _is_leaf(side.inst[w]):
-                    touching[mapping[w] if tag == "a" else w].append((tag, n))
-    for members in touching.values():
-        if {t for t, _ in members} == {"a", "b"}:
-            for m in members[1:]:
-                union(members[0], m)
+                elif w not in side.constant:
+                    kept = mapping[w] if tag == "a" else w
+                    (feeds if w == v else reads)[kept].append((tag, n))
+
+    def link(touching: dict[str, list[tuple[str, str]]]) -> None:
+        for members in touching.values():
+            if {t for t, _ in members} == {"a", "b"}:
+                for m in members[1:]:
+                    union(members[0], m)
+
+    # A site's output has its own consumers while its inputs (a shared mask, the same
+    # activations) may feed several sites: join on consumers first, and on inputs only
+    # the changes still seen on one side.
+    link(feeds)
+    sides: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
+    for x in parent:
+        sides[find(x)].add(x[0])
+    link({k: [m for m in members if len(sides[find(m)]) == 1]
+          for k, members in reads.items()})
     for tag, side, changed in (("a", a, removed), ("b", b, added)):
         for n in changed:
             users = sorted((u for u, _ in side.users(n) if (tag, u) in parent),
                            key=side.order.__getitem__)
-            if _is_leaf(side.inst[n]) and users:
+            if n in side.constant and users:
                 union((tag, n), (tag, users[0]))
     groups: dict[tuple[str, str], list[tuple[str, str]]] = collections.defaultdict(list)
     for x in parent:
@@ -463,7 +497,7 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
         return (a if x[0] == "a" else b).order[x[1]]
 
     def leaves_only(g: list[tuple[str, str]]) -> bool:
-        return all(_is_leaf((a if t == "a" else b).inst[n]) for t, n in g)
+        return all(n in (a if t == "a" else b).constant for t, n in g)
 
     def distance(group: list[tuple[str, str]], x: tuple[str, str]) -> int:
         same = [abs(position(y) - position(x)) for y in group if y[0] == x[0]]
@@ -492,8 +526,38 @@ def _as_module(module: Module | str, what: str) -> Module:
     if not isinstance(module, Module):
         raise HlotoolError(f"diff needs HLO Modules or their text; {what} is "
                            f"{type(module).__name__}")
-    return module.inline_calls() if any(i.opcode == "call" for i in module.instructions()) \
-        else module
+    if any(i.opcode == "call" for i in module.instructions()):
+        module = module.inline_calls()
+    return _forward_tuples(module)
+
+
+def _forward_tuples(module: Module) -> Module:
+    """`module` with each `get-tuple-element(tuple(...))` read as the element itself, and
+    tuples and reads left unused dropped: inlining a jit that returns several values leaves
+    such pairs, which are packaging, not computation."""
+    computations = {}
+    for comp in module.computations.values():
+        by_name = {i.name: i for i in comp}
+        alias: dict[str, str] = {}
+        for inst in comp:
+            source = by_name.get(inst.operands[0]) if inst.operands else None
+            if inst.opcode == "get-tuple-element" and source is not None \
+                    and source.opcode == "tuple":
+                element = source.operands[int(inst.attributes["index"])]
+                alias[inst.name] = alias.get(element, element)
+        if not alias:
+            computations[comp.name] = comp
+            continue
+        root = comp.root
+        kept = [dataclasses.replace(i, operands=[alias.get(o, o) for o in i.operands])
+                for i in comp if i.name not in alias or i is root]
+        used = {o for i in kept for o in i.operands}
+        kept = [i for i in kept if i.opcode != "tuple" or i.name in used or i.name == root.name]
+        kept[[i.name for i in kept].index(root.name)].is_root = True
+        computations[comp.name] = Computation(comp.name, kept, comp.is_entry, comp.signature,
+                                              comp.line)
+    return Module(module.name, computations, dict(module.attributes), module.stack_table,
+                  module.source_name)
 
 
 def diff_modules(before: Module | str, after: Module | str) -> ModuleDiff:
@@ -525,12 +589,30 @@ class SiteChange:
         return set().union(*(r.added for r in self.regions))
 
 
-def by_site(diff: ModuleDiff, sites: Sequence[tuple[AttentionSite, set[str], set[str]]]
-            ) -> list[SiteChange]:
+SiteNodes = tuple[AttentionSite, set[str], set[str]]
+
+
+def site_nodes(module: Module | str, function: str = "") -> list[SiteNodes]:
+    """The attention sites detected in pre-optimization HLO, each with the node ids of its
+    body (in the module `diff_modules` makes of the same text) and its user source lines."""
+    from hlotool.passes.from_hlo import find_matches
+
+    module = _as_module(module, "module")
+    ids = {i.name: node_id(c.name, i.name) for c in module.computations.values() for i in c}
+    return [
+        (m.site, {ids[n.ref] for n in m.body if n.ref in ids},
+         {n.source for n in m.body if n.source})
+        for m in find_matches(module, function or module.name)
+    ]
+
+
+def by_site(diff: ModuleDiff, sites: Sequence[SiteNodes]) -> list[SiteChange]:
     """Attributes each region to the site it overlaps most: by node ids of `before` when the
     site was detected in the same module, else by the user source lines both share (the
-    optimized stage, where fusion renamed everything). `sites` holds (site, node ids,
-    source lines). Regions no site accounts for come last, under site None."""
+    optimized stage, where fusion renamed everything); a region that fits several sites
+    equally (layers written by one line of code) goes to the first of them still without
+    one. `sites` holds (site, node ids, source lines). Regions no site accounts for come
+    last, under site None."""
     changes = [SiteChange(s, []) for s, _, _ in sites]
     other = SiteChange(None, [])
     for region in diff.regions:
@@ -538,11 +620,14 @@ def by_site(diff: ModuleDiff, sites: Sequence[tuple[AttentionSite, set[str], set
                 {_line(diff.instruction("after", n)) for n in region.added}
         lines.discard(None)
         scores = [(len(region.removed & ids), len(lines & src)) for _, ids, src in sites]
-        best = max(range(len(sites)), key=scores.__getitem__, default=None)
-        if best is None or scores[best] == (0, 0):
+        top = max(scores, default=(0, 0))
+        if top == (0, 0):
             other.regions.append(region)
-        else:
-            changes[best].regions.append(region)
+            continue
+        # Layers share source lines: among equal candidates, the next site in program order.
+        tied = [i for i, score in enumerate(scores) if score == top]
+        best = min(tied, key=lambda i: (len(changes[i].regions), i))
+        changes[best].regions.append(region)
     return changes + ([other] if other.regions else [])
 
 

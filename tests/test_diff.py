@@ -10,9 +10,7 @@ import pytest
 from hlotool import kernels
 from hlotool.capture import capture_function
 from hlotool.errors import HlotoolError, HloParseError
-from hlotool.hlo import parse_module
-from hlotool.passes.diff import ADDED, KEPT, REMOVED, by_site, diff_modules
-from hlotool.passes.from_hlo import find_matches
+from hlotool.passes.diff import ADDED, KEPT, REMOVED, by_site, diff_modules, site_nodes
 from hlotool.site import AttentionSite
 
 NATIVE = """HloModule native
@@ -184,13 +182,8 @@ def pair():
 
 
 def sites_of(module_text: str, function: str, with_nodes: bool):
-    module = parse_module(module_text).inline_calls()
-    ids = {i.name: f"{c.name}/{i.name}" for c in module.computations.values() for i in c}
-    return [
-        (m.site, {ids[n.ref] for n in m.body} if with_nodes else set(),
-         {n.source for n in m.body if n.source})
-        for m in find_matches(module, function)
-    ]
+    return [(site, ids if with_nodes else set(), lines)
+            for site, ids, lines in site_nodes(module_text, function)]
 
 
 def test_pre_optimization_tpu_pair(pair):
@@ -227,5 +220,5 @@ def test_xla_tpu_online_softmax_replaced():
     d = diff_modules(captured(naive, shape, jnp.bfloat16).optimized("tpu-v5e"),
                      captured(flash, shape, jnp.bfloat16).optimized("tpu-v5e"))
     stats = d.stats()
-    assert stats.custom_calls_removed == ("tpu_custom_call (online-softmax)",)
+    assert stats.custom_calls_removed == ("tpu_custom_call[online-softmax]",)
     assert stats.custom_calls_added == ("tpu_custom_call",)

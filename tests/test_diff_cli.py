@@ -1,0 +1,112 @@
+"""`hlotool diff`: native vs flash_jit per captured function, as text, HTML and pieces."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import xml.etree.ElementTree as ET
+
+import pytest
+from click.testing import CliRunner
+
+from hlotool import render
+from hlotool.cli import cli
+
+needs_dot = pytest.mark.skipif(shutil.which("dot") is None,
+                               reason="graphviz `dot` not installed (apt-get install graphviz)")
+
+# L = 128 reaches flash_jit's MIN_KV_LEN on every platform, so the site is rewritten.
+MODEL = """\
+import jax, jax.numpy as jnp
+
+@jax.jit
+def attention(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+@jax.jit
+def mlp(x, w):
+    return jnp.tanh(x @ w)
+
+x = jnp.ones((1, 128, 2, 16))
+attention(x, x, x)
+mlp(jnp.ones((4, 8)), jnp.ones((8, 8)))
+"""
+
+NO_SITES = """\
+import jax, jax.numpy as jnp
+jax.jit(lambda x, w: jnp.tanh(x @ w))(jnp.ones((4, 8)), jnp.ones((8, 8)))
+"""
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(MODEL)
+    return str(path)
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_text_summary(model):
+    result = run("diff", model)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("attention (hlo, cpu): −")
+    assert re.fullmatch(r"  site 1: attention q\[1×128×2×16\] float32, mask none at "
+                        r".*model\.py:5: −\d+ instructions, \+\d+, L×L buffers \d+ → \d+", lines[1])
+    assert "skipped mlp: no attention site" in result.output
+
+
+def test_tpu_stage_names_the_kernel_call(model):
+    result = run("diff", f"{model}:attention", "--target", "tpu-v5e")
+    assert result.exit_code == 0, result.output
+    assert "(1 custom-call tpu_custom_call[pallas_call])" in result.stdout.splitlines()[1]
+    assert "L×L buffers" in result.stdout and "→ 0" in result.stdout
+
+
+def test_nothing_to_diff(tmp_path):
+    path = tmp_path / "plain.py"
+    path.write_text(NO_SITES)
+    result = run("diff", str(path))
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"nothing to diff in {path}: <lambda>: no attention site"
+
+
+def test_format_needs_a_directory(model):
+    result = run("diff", model, "--format", "svg")
+    assert result.exit_code == 2
+    assert result.output.strip() == "hlotool: error: --format svg writes files: name a " \
+                                    "directory with -o"
+
+
+def test_missing_graphviz_keeps_text_working(model, tmp_path, monkeypatch):
+    monkeypatch.setattr(render.shutil, "which", lambda name: None)
+    result = run("diff", f"{model}:attention", "-o", str(tmp_path / "r.html"))
+    assert result.exit_code == 2
+    assert "apt-get install graphviz" in result.output
+    assert run("diff", f"{model}:attention").exit_code == 0
+
+
+@needs_dot
+def test_html_report(model, tmp_path):
+    out = tmp_path / "report.html"
+    result = run("diff", f"{model}:attention", "--stage", "optimized", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    svgs = re.findall(r"<svg\b.*?</svg>", page, re.S)
+    assert len(svgs) >= 2
+    for svg in svgs:
+        ET.fromstring(svg)
+    assert "<script" not in page
+
+
+@needs_dot
+def test_pieces(model, tmp_path):
+    result = run("diff", f"{model}:attention", "--format", "dot", "--hops", "1",
+                 "-o", str(tmp_path / "dots"))
+    assert result.exit_code == 0, result.output
+    files = sorted(p.name for p in (tmp_path / "dots").iterdir())
+    assert files == ["attention.site1.native.dot", "attention.site1.rewritten.dot"]
