@@ -212,6 +212,21 @@ class CapturedFunction:
             "optimized": _count_hlo(self.optimized(target)),
         }
 
+    def with_jaxpr(self, closed_jaxpr: ClosedJaxpr) -> CapturedFunction:
+        """The same function (name, index, source) with another program of the same inputs,
+        e.g. a rewritten one; its stages are computed afresh.
+
+        Prefer this to `dataclasses.replace`, which would share the per-target caches.
+        """
+        if list(closed_jaxpr.in_avals) != list(self.in_avals):
+            raise HlotoolError(
+                f"{self.name}: new program takes {_avals(closed_jaxpr.in_avals)}, "
+                f"expected {_avals(self.in_avals)}"
+            )
+        return dataclasses.replace(
+            self, closed_jaxpr=closed_jaxpr, _lowered={}, _compiled={}
+        )
+
     def _as_fun(self) -> Callable[..., Any]:
         closed = self.closed_jaxpr
 
@@ -373,6 +388,10 @@ def _where(error: BaseException, path: str) -> str:
             where = f"{path}:{tb.tb_lineno}"
         tb = tb.tb_next
     return where
+
+
+def _avals(avals: Sequence[Any]) -> str:
+    return "(" + ", ".join(a.str_short(short_dtypes=True) for a in avals) + ")"
 
 
 def _first_line(error: BaseException) -> str:

@@ -75,6 +75,19 @@ def test_regenerated_program_computes_the_same_values():
     np.testing.assert_allclose(out, sin_matmul(x), rtol=1e-6)
 
 
+def test_with_jaxpr_gets_its_own_stages():
+    x = jnp.ones((4, 8))
+    [f] = capture_function(jax.jit(sin_matmul), x)
+    assert "stablehlo.sine" in f.stablehlo and "sine" in f.optimized()
+    g = f.with_jaxpr(jax.make_jaxpr(lambda x: jnp.cos(x) @ x.T)(x))
+    assert (g.name, g.index, g.source) == (f.name, f.index, f.source)
+    assert "stablehlo.cosine" in g.stablehlo and "cosine" in g.optimized()
+    assert "cosine" not in f.optimized()  # the original's caches are untouched
+    with pytest.raises(HlotoolError, match=r"sin_matmul: new program takes \(f32\[2\]\), "
+                       r"expected \(f32\[4,8\]\)"):
+        f.with_jaxpr(jax.make_jaxpr(jnp.sin)(jnp.ones(2)))
+
+
 def test_eager_ops_and_library_jits_are_not_listed():
     def run(x):
         y = jnp.ones((4, 8)) + x * 2  # eager dispatch and jnp's own jitted helpers
