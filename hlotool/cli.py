@@ -49,6 +49,11 @@ def _fail_cleanly(command: Callable[..., None]) -> Callable[..., None]:
                 traceback.print_exception(e)
             click.echo(f"hlotool: error: {e}", err=True)
             sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            click.echo("hlotool: interrupted", err=True)
+            sys.exit(130)
         except Exception as e:
             if debug:
                 traceback.print_exception(e)

@@ -158,6 +158,11 @@ def test_bad_scripts_give_one_line_and_debug_gives_traceback(script, case):
     assert debug.exit_code != 0 and "Traceback" in debug.stderr and message in debug.stderr
 
 
+def test_interrupt_is_one_line(script):
+    result = run("inspect", script("raise KeyboardInterrupt\n"))
+    assert result.exit_code == 130 and result.stderr == "hlotool: interrupted\n"
+
+
 def test_bad_arguments(script, tmp_path):
     assert_one_line_error(run("inspect", str(tmp_path / "nope.py")), "no such file: ")
     assert_one_line_error(run("inspect", script(), "--target", "tpu-v9"),
