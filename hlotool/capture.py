@@ -110,7 +110,7 @@ class CapturedFunction:
     in_avals: tuple[jax.core.ShapedArray, ...]
     arg_names: tuple[str, ...] | None  # jax's names for the flat args, when it kept them
     source: str | None  # "train_step at /path/model.py:42"
-    lower_seconds: float  # jax's tracing-to-StableHLO lowering of the original compile
+    lower_seconds: float  # jaxpr → StableHLO lowering of the original compile
     compile_seconds: float | None  # XLA compile of the original; None if never compiled
     _lowered: dict[str, jax.stages.Lowered] = dataclasses.field(default_factory=dict, repr=False)
     _compiled: dict[str, jax.stages.Compiled] = dataclasses.field(
