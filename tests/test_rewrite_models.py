@@ -1,0 +1,195 @@
+"""flash_jit on library attention layers and on the example scripts: outputs and gradients
+equal jax.jit(fn), no naive site left, one `tpu_custom_call` per rewritten site in the TPU
+export (none where nothing was rewritten)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+import sys
+
+import equinox as eqx
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hlotool
+from hlotool.passes.from_jaxpr import detect_jaxpr
+
+B, L, H, D = 1, 128, 2, 8
+E = H * D
+X = jnp.asarray(np.random.default_rng(5).standard_normal((B, L, E)), jnp.float32)
+EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
+
+
+def relative_error(got, want) -> float:
+    """max |got - want| / max |want| over all leaves of two pytrees."""
+    got = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(got)])
+    want = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(want)])
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def tpu_custom_calls(fn, *args, **jit_kwargs) -> int:
+    """`tpu_custom_call`s executed by @main of the TPU export: identical kernels lower to one
+    private function called from each site, so calls are followed, not text counted."""
+    exported = jax.export.export(hlotool.flash_jit(fn, **jit_kwargs), platforms=["tpu"])(*args)
+    direct: dict[str, int] = {}
+    callees: dict[str, list[str]] = {}
+    name = None
+    for line in exported.mlir_module().splitlines():
+        if m := re.search(r"func\.func (?:public |private )?@([\w.$-]+)\(", line):
+            name = m.group(1)
+            direct[name], callees[name] = 0, []
+        elif name is not None:
+            direct[name] += line.count("stablehlo.custom_call @tpu_custom_call")
+            callees[name] += re.findall(r"(?<!custom_)call @([\w.$-]+)\(", line)
+
+    def total(f: str) -> int:
+        return direct[f] + sum(total(c) for c in callees[f])
+
+    return total("main")
+
+
+def check(fn, args, sites: int, tol: float = 1e-5, **jit_kwargs) -> None:
+    """Outputs equal, all `sites` rewritten and gone, one TPU kernel call per site."""
+    fast = hlotool.flash_jit(fn, **jit_kwargs)
+    assert relative_error(fast(*args), jax.jit(fn, **jit_kwargs)(*args)) < tol
+    report = hlotool.explain(fn, *args)
+    assert (len(report.sites), report.rewritten) == (sites, sites), str(report)
+    assert len(detect_jaxpr(fast.trace(*args).jaxpr)) == 0
+    assert tpu_custom_calls(fn, *args, **jit_kwargs) == sites
+
+
+def check_grad(fn, args, argnums=0, tol: float = 1e-5) -> None:
+    def loss(f):
+        return lambda *a: jnp.sum(jnp.sin(f(*a)))
+
+    want = jax.grad(loss(fn), argnums=argnums)(*args)
+    got = jax.grad(loss(hlotool.flash_jit(fn)), argnums=argnums)(*args)
+    assert relative_error(got, want) < tol
+
+
+class LinenLayers(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.MultiHeadDotProductAttention(num_heads=H)(x, mask=nn.make_causal_mask(x[..., 0]))
+        return nn.MultiHeadDotProductAttention(num_heads=H)(x)
+
+
+def test_flax_linen():
+    model = LinenLayers()
+    params = model.init(jax.random.key(0), X)
+
+    def forward(params, x):
+        return model.apply(params, x)
+
+    check(forward, (params, X), sites=2)
+    check_grad(forward, (params, X), argnums=(0, 1))
+
+
+def test_flax_nnx():
+    layer = nnx.MultiHeadAttention(num_heads=H, in_features=E, decode=False, rngs=nnx.Rngs(0))
+
+    def forward(x):
+        return layer(x, mask=nnx.make_causal_mask(x[..., 0]))
+
+    check(forward, (X,), sites=1)
+    check_grad(forward, (X,))
+
+
+def test_haiku():
+    def layer(x):
+        mha = hk.MultiHeadAttention(num_heads=H, key_size=D,
+                                    w_init=hk.initializers.VarianceScaling())
+        return mha(x, x, x, mask=jnp.tril(jnp.ones((1, 1, L, L))))
+
+    f = hk.transform(layer)
+    params = f.init(jax.random.key(0), X)
+
+    def forward(params, x):
+        return f.apply(params, None, x)
+
+    check(forward, (params, X), sites=1)
+    check_grad(forward, (params, X), argnums=(0, 1))
+
+
+def test_equinox_under_vmap():
+    mha = eqx.nn.MultiheadAttention(num_heads=H, query_size=E, key=jax.random.key(0))
+
+    def forward(x):
+        return jax.vmap(lambda a: mha(a, a, a))(x)
+
+    check(forward, (X,), sites=1)
+    check_grad(forward, (X,))
+
+
+@pytest.mark.parametrize("hkv, causal", [(H, True), (1, False)])
+def test_jax_nn_dot_product_attention(hkv, causal):
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((B, L, H, D)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((B, L, hkv, D)), jnp.float32)
+
+    def forward(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+    check(forward, (q, kv, kv), sites=1)
+    check_grad(forward, (q, kv, kv), argnums=(0, 1, 2))
+
+
+def test_flax_linen_bfloat16():
+    model = nn.MultiHeadDotProductAttention(num_heads=H, dtype=jnp.bfloat16,
+                                           force_fp32_for_softmax=True)
+    x = X.astype(jnp.bfloat16)
+    params = model.init(jax.random.key(0), x)
+
+    def forward(params, x):
+        return model.apply(params, x)
+
+    check(forward, (params, x), sites=1, tol=2e-2)
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses (flax modules) look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_causal_decoder():
+    m = load_example("causal_decoder")
+    params = m.init_params(jax.random.key(0), 16, 2)
+    tokens = jax.random.randint(jax.random.key(1), (1, L), 0, m.VOCAB)
+    check(m.forward, (params, tokens, 2), sites=2, static_argnames="heads")
+    check_grad(lambda p, t: m.forward(p, t, 2), (params, tokens))
+    # The train step differentiates inside: its sites feed the backward pass and stay native.
+    step = hlotool.explain(m.train_step, params, tokens, 2)
+    assert len(step.sites) == 2 and step.rewritten == 0
+    assert all("gradient" in s.reason for s in step.sites)
+    got = hlotool.flash_jit(m.train_step, static_argnames="heads")(params, tokens, 2)
+    want = m.train_step(params, tokens, 2)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+    assert tpu_custom_calls(m.train_step, params, tokens, 2, static_argnames="heads") == 0
+
+
+def test_example_flax_model():
+    m = load_example("flax_model")
+    model = m.LanguageModel(16, 2, 2)
+    tokens = jax.random.randint(jax.random.key(1), (1, L), 0, m.VOCAB)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)
+    check(m.predict, (model, params, tokens), sites=2, static_argnames="model")
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_example_padded_encoder(dtype, tol):
+    m = load_example("padded_encoder")
+    params = m.init_params(jax.random.key(0), 16, 2, jnp.dtype(dtype))
+    x = jax.random.normal(jax.random.key(1), (2, L, 16)).astype(dtype)
+    lengths = jnp.array([L, L // 2])
+    check(m.encode, (params, x, lengths, 2), sites=2, tol=tol, static_argnames="heads")
