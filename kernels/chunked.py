@@ -61,8 +61,14 @@ def _tile(x: jax.Array | None, i, j, st: _Static) -> jax.Array | None:
 
 
 def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static) -> jax.Array:
-    """f32 [B, Hkv, G, block_q, block_k] scores of tile (i, j), -inf where not visible."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=jnp.float32)
+    """f32 [B, Hkv, G·block_q, block_k] scores of tile (i, j), -inf where not visible.
+
+    q_i: [B, Hkv, G·block_q, D], the G query heads of a K/V head stacked as rows, so each
+    tile is one batched matmul per K/V head.
+    """
+    s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=jnp.float32)
+    b, hkv, rows, bk = s.shape
+    s = s.reshape(b, hkv, rows // st.block_q, st.block_q, bk)
     if bias is not None:
         s = s + _tile(bias, i, j, st).astype(jnp.float32)
     k_pos = j * st.block_k + lax.iota(jnp.int32, st.block_k)
@@ -78,7 +84,15 @@ def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static) -> jax.Array:
     if mask is not None:
         m = _tile(mask, i, j, st)
         visible = m if visible is None else visible & m
-    return s if visible is None else jnp.where(visible, s, -jnp.inf)
+    if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
+    return s.reshape(b, hkv, rows, bk)
+
+
+def _rows(x: jax.Array, i, st: _Static) -> jax.Array:
+    """Query block i of a [B, Hkv, G, Lq, ...] array as [B, Hkv, G·block_q, ...]."""
+    x = lax.dynamic_slice_in_dim(x, i * st.block_q, st.block_q, axis=3)
+    return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
 
 
 def _num_k_blocks(i, nk: int, st: _Static):
@@ -102,7 +116,7 @@ def _forward(q, k, v, bias, mask, kv_lengths, st: _Static):
     nq, nk = lq // st.block_q, k.shape[2] // st.block_k
 
     def query_block(i):
-        q_i = lax.dynamic_slice_in_dim(q, i * st.block_q, st.block_q, axis=3)
+        q_i = _rows(q, i, st)
 
         def key_block(j, carry):
             m, l, acc = carry
@@ -115,18 +129,18 @@ def _forward(q, k, v, bias, mask, kv_lengths, st: _Static):
             p = jnp.exp(s - shift[..., None])
             corr = jnp.exp(m - shift)
             l = l * corr + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v_j.dtype), v_j,
+            pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v_j.dtype), v_j,
                             preferred_element_type=jnp.float32)
             return m_new, l, acc * corr[..., None] + pv
 
-        rows = (b, hkv, g, st.block_q)
+        rows = (b, hkv, g * st.block_q)
         init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
                 jnp.zeros(rows + (dv,), jnp.float32))
         m, l, acc = lax.fori_loop(0, _num_k_blocks(i, nk, st), key_block, init)
         empty = l == 0
         out = acc / jnp.where(empty, 1.0, l)[..., None]
         lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-        return out, lse
+        return out.reshape(b, hkv, g, st.block_q, dv), lse.reshape(b, hkv, g, st.block_q)
 
     if nq == 1:
         return query_block(0)
@@ -143,7 +157,8 @@ def _backward(q, k, v, bias, mask, kv_lengths, out, lse, do, st: _Static):
     One loop over key blocks accumulates that block's dk, dv over the query blocks that see
     it, and adds each tile's contribution into dq.
     """
-    nq, nk = q.shape[3] // st.block_q, k.shape[2] // st.block_k
+    b, hkv, g, lq, d = q.shape
+    nq, nk = lq // st.block_q, k.shape[2] // st.block_k
     delta = jnp.sum(out * do, axis=-1)  # [B, Hkv, G, Lq]
 
     def key_block(j, carry):
@@ -153,20 +168,21 @@ def _backward(q, k, v, bias, mask, kv_lengths, out, lse, do, st: _Static):
 
         def query_block(i, inner):
             dq, dk_j, dv_j, dbias = inner
-            rows = functools.partial(lax.dynamic_slice_in_dim, start_index=i * st.block_q,
-                                     slice_size=st.block_q, axis=3)
-            q_i, do_i, lse_i, delta_i = rows(q), rows(do), rows(lse), rows(delta)
+            q_i, do_i = _rows(q, i, st), _rows(do, i, st)
+            lse_i, delta_i = _rows(lse, i, st), _rows(delta, i, st)
             s = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
             p = jnp.exp(s - lse_i[..., None])
-            dv_j = dv_j + jnp.einsum("bhgqk,bhgqd->bhkd", p, do_i)
-            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j, preferred_element_type=jnp.float32)
+            dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", p, do_i)
+            dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
             ds = p * (dp - delta_i[..., None])
-            dk_j = dk_j + jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_i,
+            dk_j = dk_j + jnp.einsum("bhqk,bhqd->bhkd", ds, q_i,
                                      preferred_element_type=jnp.float32)
-            dq_i = rows(dq) + jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_j,
-                                         preferred_element_type=jnp.float32)
-            dq = lax.dynamic_update_slice_in_dim(dq, dq_i, i * st.block_q, axis=3)
+            dq_i = _rows(dq, i, st) + jnp.einsum("bhqk,bhkd->bhqd", ds, k_j,
+                                                 preferred_element_type=jnp.float32)
+            dq = lax.dynamic_update_slice_in_dim(
+                dq, dq_i.reshape(b, hkv, g, st.block_q, d), i * st.block_q, axis=3)
             if dbias is not None:
+                ds = ds.reshape(b, hkv, g, st.block_q, -1)
                 axes = tuple(a for a in range(5) if dbias.shape[a] == 1)
                 ds_b = jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
                 starts = (0, 0, 0, i * st.block_q if dbias.shape[3] != 1 else 0,
