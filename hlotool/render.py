@@ -10,6 +10,7 @@ rewrite did (removed red, added green, kept grey).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import html
 import os
 import re
@@ -120,8 +121,7 @@ def neighbourhood(diff: ModuleDiff, change: SiteChange, side: str,
         for u, v, d in graph.in_edges(n, data=True):
             if d["kind"] == "called" and _changed_fusion(diff, side, n):
                 comp = graph.nodes[u]["computation"]
-                seen.update(dict.fromkeys(
-                    w for w, data in graph.nodes(data=True) if data["computation"] == comp))
+                seen.update(dict.fromkeys(diff.computation_nodes(side, comp)))
     return list(seen)
 
 
@@ -162,6 +162,12 @@ def site_dot(diff: ModuleDiff, change: SiteChange, side: str, hops: int = DEFAUL
              max_nodes: int = DEFAULT_MAX_NODES, title: str = "") -> str:
     """Graphviz source of one side of a site's neighbourhood. Non-entry computations
     (fusion bodies, loop bodies) are clusters; a trailing note counts what was left out."""
+    return _site_dot(diff, change, side, hops, max_nodes, title)[0]
+
+
+def _site_dot(diff: ModuleDiff, change: SiteChange, side: str, hops: int, max_nodes: int,
+              title: str = "") -> tuple[str, int]:
+    """`site_dot`'s text and the size of the whole neighbourhood."""
     graph = diff.before_graph if side == "before" else diff.after_graph
     everything = neighbourhood(diff, change, side, hops)
     nodes = everything[:max_nodes]
@@ -196,10 +202,11 @@ def site_dot(diff: ModuleDiff, change: SiteChange, side: str, hops: int = DEFAUL
                      "color=\"#7f7f7f\"; fontsize=9;")
         lines.extend("    " + node_line(n) for n in members)
         lines.append("  }")
-    for u, v, d in graph.edges(data=True):
-        if u in ids and v in ids:
-            style = "" if d["kind"] == "operand" else " [style=dashed]"
-            lines.append(f"  {ids[u]} -> {ids[v]}{style};")
+    for u in nodes:
+        for _, v, d in graph.out_edges(u, data=True):
+            if v in ids:
+                style = "" if d["kind"] == "operand" else " [style=dashed]"
+                lines.append(f"  {ids[u]} -> {ids[v]}{style};")
     if len(everything) > len(nodes):
         left = collections.Counter(graph.nodes[n]["opcode"] for n in everything[max_nodes:])
         note = f"{len(everything) - len(nodes)} more nodes not drawn: " + ", ".join(
@@ -207,7 +214,7 @@ def site_dot(diff: ModuleDiff, change: SiteChange, side: str, hops: int = DEFAUL
         lines.append(f"  note [shape=note, style=filled, fillcolor=\"#fafafa\", "
                      f"label={_dot_string(note)}];")
     lines.append("}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", len(everything)
 
 
 def run_dot(source: str, fmt: str = "svg") -> bytes:
@@ -289,38 +296,70 @@ def _diff_pre(text: str) -> str:
     return "<pre>" + "\n".join(rows) + "</pre>"
 
 
+def _signature(diff: ModuleDiff, change: SiteChange) -> tuple:
+    """What a change looks like, names aside: layers built by one piece of code change alike
+    and are drawn once."""
+    def ops(side: str, nodes: set[str]) -> tuple:
+        return tuple(sorted(collections.Counter(
+            (i.opcode, str(i.shape)) for i in (diff.instruction(side, n) for n in nodes)
+        ).items()))
+
+    return ops("before", change.removed), ops("after", change.added)
+
+
+def _same(anchor: str, same_as: dict[str, str]) -> str:
+    first = same_as.get(anchor, anchor)
+    if first == anchor:
+        return ""
+    return (f"<p class=\"note\">The same instructions change as in <a href=\"#{first}\">"
+            "the site drawn above</a>; not drawn again.</p>")
+
+
 def html_report(functions: Sequence[FunctionDiff], hops: int = DEFAULT_HOPS,
                 max_nodes: int = DEFAULT_MAX_NODES, title: str = "hlotool diff") -> str:
     """One self-contained HTML page: a table of sites linking to each side-by-side pair of
     inline SVG neighbourhoods, and each function's normalized text diff. No scripts, no
     network."""
-    table, sections = [], []
+    pictures = []  # (anchor, side name, dot source, neighbourhood size, module size)
+    same_as: dict[str, str] = {}  # anchor → anchor of an identical change drawn earlier
+    drawn: dict[tuple, str] = {}
     for fi, f in enumerate(functions):
         for si, change in enumerate(f.changes):
             anchor = f"f{fi}-s{si}"
-            table.append(
-                f"<tr><td>{html.escape(f.function)}</td><td>{f.stage}, {f.target}</td><td><a href=\"#{anchor}\">"
-                f"{html.escape(_site_title(change))}</a></td>"
-                f"<td>{html.escape(change_line(f, change))}</td></tr>")
-            panes = []
+            if change.regions:
+                key = (fi, _signature(f.diff, change))
+                same_as[anchor] = drawn.setdefault(key, anchor)
             for side, name in (("before", "native"), ("after", "rewritten")) \
-                    if change.regions else ():
-                total = len(neighbourhood(f.diff, change, side, hops))
-                svg = _inline_svg(run_dot(site_dot(f.diff, change, side, hops, max_nodes)))
+                    if change.regions and same_as[anchor] == anchor else ():
+                source, total = _site_dot(f.diff, change, side, hops, max_nodes)
                 module = f.diff.before if side == "before" else f.diff.after
-                size = sum(len(c) for c in module.computations.values())
-                panes.append(
-                    f"<div><h3>{name}</h3>{svg}<p class=\"note\">{min(total, max_nodes)} of {total} "
-                    f"neighbourhood instructions drawn ({hops} hops); module has {size} "
-                    "instructions.</p></div>")
+                pictures.append((f"f{fi}-s{si}", name, source, total,
+                                 sum(len(c) for c in module.computations.values())))
+    # One `dot` per core: layout dominates the report's time.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        svgs = list(pool.map(lambda p: _inline_svg(run_dot(p[2])), pictures))
+    panes: dict[str, list[str]] = collections.defaultdict(list)
+    for (anchor, name, _, total, size), svg in zip(pictures, svgs):
+        panes[anchor].append(
+            f"<div><h3>{name}</h3>{svg}<p class=\"note\">{min(total, max_nodes)} of {total} "
+            f"neighbourhood instructions drawn ({hops} hops); module has {size} "
+            "instructions.</p></div>")
+    table, sections = [], []
+    for fi, f in enumerate(functions):
+        for si, change in enumerate(f.changes):
+            anchor, what = f"f{fi}-s{si}", html.escape(_site_title(change))
+            line = html.escape(change_line(f, change))
+            table.append(
+                f"<tr><td>{html.escape(f.function)}</td><td>{f.stage}, {f.target}</td>"
+                f"<td><a href=\"#{anchor}\">{what}</a></td><td>{line}</td></tr>")
             sections.append(
-                f"<section id=\"{anchor}\"><h2>{html.escape(f.function)}: "
-                f"{html.escape(_site_title(change))}</h2><p>{html.escape(change_line(f, change))}"
-                f"</p><div class=\"pair\">{''.join(panes)}</div></section>")
-        unified = f.diff.unified()
+                f"<section id=\"{anchor}\"><h2>{html.escape(f.function)}: {what}</h2>"
+                f"<p>{line}</p>{_same(anchor, same_as)}"
+                f"<div class=\"pair\">{''.join(panes[anchor])}</div></section>")
         sections.append(
             f"<details><summary>{html.escape(f.function)}: normalized HLO diff "
-            f"({f.stage}, {f.target})</summary>{_diff_pre(unified or 'no change')}</details>")
+            f"({f.stage}, {f.target})</summary>{_diff_pre(f.diff.unified() or 'no change')}"
+            "</details>")
     stages = ", ".join(sorted({f"{f.stage} / {f.target}" for f in functions}))
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

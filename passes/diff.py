@@ -276,6 +276,11 @@ class ModuleDiff:
             return KEPT if node in self.mapping else REMOVED
         return ADDED if node in self._added else KEPT
 
+    def computation_nodes(self, side: str, computation: str) -> list[str]:
+        """Node ids of the instructions of `computation` on `side`, in text order."""
+        module = self.before if side == "before" else self.after
+        return [node_id(computation, i.name) for i in module.computations[computation]]
+
     def instruction(self, side: str, node: str) -> Instruction:
         return (self._before_side if side == "before" else self._after_side).inst[node]
 

@@ -169,3 +169,30 @@ def test_write_pieces(tmp_path):
     assert "-  %dot.0 = f32[4,4]{1,0} dot(" in open(txt).read()
     with pytest.raises(render.HlotoolError, match="unknown format 'gif'; valid formats: svg, png, dot, txt"):
         render.write_pieces([f], str(tmp_path), "gif")
+
+
+def _two_layers(body: str) -> str:
+    """A module running `body` (the ENTRY of NATIVE or REWRITTEN) twice over the same
+    parameters, each copy with its own reducer."""
+    entry = body[body.index("ENTRY main {") + len("ENTRY main {\n"):body.rindex("}")]
+    reducer = body[body.index("max_r {"):body.index("ENTRY")] if "max_r {" in body else ""
+    layer2 = []
+    for line in entry.splitlines():
+        if "parameter(" in line:
+            continue
+        line = re.sub(r"\b(s|e|init|r|b|p|o|t|out)\b", r"\1_2", line)
+        layer2.append(line.replace("max_r", "max_r2"))
+    first = entry.replace("ROOT out", "out")
+    return ("HloModule two\n\n" + reducer + reducer.replace("max_r {", "max_r2 {")
+            + "ENTRY main {\n" + first + "\n".join(layer2) + "\n}\n")
+
+
+@needs_dot
+def test_identical_sites_drawn_once():
+    d = diff_modules(_two_layers(NATIVE), _two_layers(REWRITTEN))
+    assert len(d.regions) == 2
+    sites = [(SITE, set(r.removed), set()) for r in d.regions]
+    page = render.html_report([FunctionDiff("f", "hlo", "cpu", d, by_site(d, sites))])
+    assert len(re.findall(r"<svg\b", page)) == 2
+    assert page.count("not drawn again") == 1
+    assert '<a href="#f0-s0">the site drawn above</a>' in page
