@@ -70,7 +70,8 @@ def render_sites(sites: Sequence[AttentionSite]) -> str:
     right = {0, 9}
     lines = []
     for n, r in enumerate(rows):
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        cells = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(r, widths))]
         lines.append("  ".join(cells).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))

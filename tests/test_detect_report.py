@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import jax
-import jax.numpy as jnp
 import pytest
-from test_detect import Q, K, V, causal_iota, gqa_repeat, arr, B, L
+from test_detect import B, K, L, Q, V, arr, causal_iota, gqa_repeat
 
 from hlotool.capture import capture_function
 from hlotool.errors import HlotoolError
