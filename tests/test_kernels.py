@@ -1,0 +1,243 @@
+"""The kernel interface: validation errors, supports/reasons, costs, registry fallback, and
+the platform dispatcher lowering to each platform's kernel."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from hlotool import kernels
+from hlotool.errors import HlotoolError
+from hlotool.kernels import registry
+from hlotool.kernels.base import flash_cost, naive_cost, visible_fraction
+from hlotool.kernels.pallas_tpu import UPSTREAM as TPU_UPSTREAM
+from hlotool.kernels.pallas_tpu import PallasTpuFlash
+from hlotool.site import AttentionSite
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def site(**kw) -> AttentionSite:
+    base = dict(batch=1, q_len=1024, kv_len=1024, num_q_heads=8, num_kv_heads=8,
+                head_dim=64, v_head_dim=64, dtype="float32", scale=0.125)
+    return AttentionSite(**{**base, **kw})
+
+
+def sds(*shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# --- call validation -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, kwargs, message",
+    [
+        ((1, 8, 2, 4), (1, 8, 2, 4), {"layout": "LBHD"}, "layout must be one of"),
+        ((1, 8, 3, 4), (1, 8, 2, 4), {}, "query heads (3) are not a multiple of key/value heads (2)"),
+        ((1, 8, 2, 4), (1, 8, 2, 5), {}, "q head dim 4 differs from k head dim 5"),
+        ((8, 2, 4), (1, 8, 2, 4), {}, "q must be 4-D (BLHD), got shape (8, 2, 4)"),
+        ((1, 8, 2, 4), (1, 8, 2, 4), {"bias": jnp.zeros((3, 8))},
+         "bias of shape (3, 8) does not broadcast to [B, Hq, Lq, Lk] = [1, 2, 8, 8]"),
+        ((1, 8, 2, 4), (1, 8, 2, 4), {"mask": jnp.zeros((8, 8))},
+         "mask must be boolean (True = attend), got float32"),
+        ((1, 8, 2, 4), (1, 8, 2, 4), {"kv_lengths": jnp.zeros((2,), jnp.int32)},
+         "kv_lengths must be an integer [B] = [1] array, got int32[2]"),
+    ],
+)
+def test_bad_calls_raise_one_line_errors(q_shape, k_shape, kwargs, message):
+    q, k = jnp.zeros(q_shape), jnp.zeros(k_shape)
+    with pytest.raises(HlotoolError) as err:
+        kernels.get("chunked")(q, k, k, scale=1.0, **kwargs)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unsupported_call_names_kernel_and_reason():
+    q = jnp.zeros((1, 16, 2, 8))
+    with pytest.raises(kernels.KernelError, match="kernel pallas_gpu: additive bias unsupported"):
+        kernels.get("pallas_gpu")(q, q, q, scale=1.0, bias=jnp.zeros((16, 16)))
+
+
+def test_unknown_kernel_name():
+    with pytest.raises(kernels.KernelError, match="no kernel named 'flash3'; known: pallas_tpu"):
+        kernels.get("flash3")
+
+
+# --- supports ---------------------------------------------------------------------------
+
+
+def test_supports_reasons():
+    tpu, gpu, chunked = (kernels.get(n) for n in ("pallas_tpu", "pallas_gpu", "chunked"))
+    assert tpu.supports(site(q_len=1000, kv_len=1000, head_dim=192, v_head_dim=192))
+    no = tpu.supports(site(dtype="float16"))
+    assert not no and no.reason == "dtype float16 unsupported (TPU flash takes float32, bfloat16)"
+    assert gpu.supports(site(num_kv_heads=1, q_len=1000, kv_len=1000))
+    assert not gpu.supports(site(mask="boolean"))
+    assert gpu.supports(site(), kernels.Features(kv_lengths=True)).reason.startswith(
+        "kv_lengths unsupported")
+    no = gpu.supports(site(q_len=300, kv_len=200))
+    assert no.reason == ("q length 300 > kv length 200, and kv length is not a multiple of "
+                         "128: padded keys cannot be masked")
+    assert chunked.supports(site(mask="boolean", head_dim=192, v_head_dim=80, num_kv_heads=2))
+    assert not chunked.supports(site(dtype="int8"))
+
+
+# --- costs ------------------------------------------------------------------------------
+
+
+def test_visible_fraction_counts_causal_tiles():
+    assert visible_fraction(1024, 1024, 512, 512, causal=False) == 1.0
+    assert visible_fraction(1024, 1024, 512, 512, causal=True) == 3 / 4
+    assert visible_fraction(1024, 1024, 128, 128, causal=True) == 36 / 64
+    assert visible_fraction(64, 1024, 64, 128, causal=True) == 1 / 8
+
+
+def test_flash_cost_formulas():
+    s = site()
+    scores = 8 * 1024 * 1024
+    fwd = flash_cost(s, block_q=512, block_k=256)
+    assert fwd.flops == 2 * scores * 128 + 5 * scores
+    assert fwd.transcendentals == scores
+    io = 1024 * 8 * 64 * 4  # one [L, H, D] f32 array
+    assert fwd.hbm_bytes == 2 * io + 2 * (2 * io)  # Q, O once; K, V once per query block
+    causal = flash_cost(site(mask="causal"), block_q=512, block_k=256)
+    assert causal.flops == (2 * scores * 128 + 5 * scores) * 3 // 4 + 0  # 6 of 8 tiles
+    both = flash_cost(s, block_q=512, block_k=256, backward=True)
+    assert both.transcendentals == 2 * scores
+    assert both.flops > 3 * fwd.flops
+
+
+def test_naive_cost_moves_score_matrices_and_flash_does_not():
+    s = site(q_len=4096, kv_len=4096)
+    naive, flash = naive_cost(s), kernels.get("chunked").cost(s)
+    assert naive.hbm_bytes >= 4 * s.score_bytes
+    assert flash.hbm_bytes < s.score_bytes / 4
+    assert naive.flops - 5 * 8 * 4096**2 == flash.flops - 5 * 8 * 4096**2  # same matmuls
+    assert naive_cost(site(mask="causal")).flops == naive_cost(site()).flops
+    assert kernels.get("reference").cost(s) == naive
+
+
+def test_pallas_tpu_cost_counts_repeated_gqa_heads():
+    tpu = kernels.get("pallas_tpu")
+    gqa, mha = tpu.cost(site(num_kv_heads=2)), tpu.cost(site())
+    assert gqa.flops == mha.flops
+    assert gqa.hbm_bytes > kernels.get("chunked").cost(site(num_kv_heads=2)).hbm_bytes
+
+
+# --- registry ---------------------------------------------------------------------------
+
+
+def test_registry_lists_and_selects():
+    assert kernels.names() == ["pallas_tpu", "pallas_gpu", "chunked", "reference"]
+    assert kernels.available() == kernels.names()
+    k, why = kernels.select(site(), "tpu")
+    assert (k.name, why) == ("pallas_tpu", "pallas_tpu for tpu")
+    k, why = kernels.select(site(), "cpu")
+    assert k.name == "chunked"
+    k, why = kernels.select(site(mask="additive"), "cuda")
+    assert k.name == "chunked"
+    assert why == ("chunked for cuda (pallas_gpu skipped: additive bias unsupported (upstream "
+                   "mha takes only causal and one segment-id array shared by queries and keys))")
+
+
+@pytest.fixture
+def tpu_upstream_missing(monkeypatch):
+    """The installed jax without Pallas' TPU flash attention module."""
+    monkeypatch.setitem(sys.modules, TPU_UPSTREAM, None)
+    monkeypatch.setitem(registry._KERNELS, "pallas_tpu", PallasTpuFlash())
+
+
+def test_missing_upstream_reports_unavailable_and_falls_back(tpu_upstream_missing):
+    tpu = kernels.get("pallas_tpu")
+    assert tpu.unavailable_reason.startswith(f"cannot import {TPU_UPSTREAM}")
+    assert "pallas_tpu" not in kernels.available()
+    k, why = kernels.select(site(), "tpu")
+    assert k.name == "chunked"
+    assert why.startswith("chunked for tpu (pallas_tpu skipped: pallas_tpu unavailable: "
+                          "cannot import")
+    x = sds(1, 256, 2, 64)
+    f = jax.jit(lambda q, k, v: kernels.attention(q, k, v, scale=0.125, causal=True))
+    assert "tpu_custom_call" not in export.export(f, platforms=["tpu"])(x, x, x).mlir_module()
+
+
+def test_signature_change_reports_unavailable(monkeypatch):
+    from jax.experimental.pallas.ops.tpu import flash_attention as upstream
+
+    monkeypatch.setattr(upstream, "flash_attention", lambda q, k, v, *, causal: None)
+    reason = PallasTpuFlash().unavailable_reason
+    assert reason == (f"{TPU_UPSTREAM}.flash_attention takes no ab, segment_ids, sm_scale, "
+                      "block_sizes")
+
+
+# --- dispatcher -------------------------------------------------------------------------
+
+
+def _attn(**kw):
+    return lambda q, k, v: kernels.attention(q, k, v, scale=0.125, **kw)
+
+
+def _grad(**kw):
+    return jax.grad(lambda q, k, v: kernels.attention(q, k, v, scale=0.125, **kw).sum(),
+                    argnums=(0, 1, 2))
+
+
+def test_dispatcher_exports_pallas_tpu_and_runs_chunked_on_cpu():
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 1000, 2, 64))
+    x = sds(*q.shape)
+    fwd = export.export(jax.jit(_attn(causal=True)), platforms=["tpu"])(x, x, x)
+    assert fwd.mlir_module().count("tpu_custom_call") == 1
+    bwd = export.export(jax.jit(_grad(causal=True)), platforms=["tpu"])(x, x, x)
+    assert bwd.mlir_module().count("tpu_custom_call") == 3  # forward, dkv, dq
+    lowered_cpu = jax.jit(_attn(causal=True)).lower(q, q, q).as_text()
+    assert "tpu_custom_call" not in lowered_cpu and "while" in lowered_cpu
+    out = jax.jit(_attn(causal=True))(q, q, q)
+    ref = kernels.get("reference")(q, q, q, scale=0.125, causal=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=0)
+
+
+def test_dispatcher_exports_triton_for_cuda():
+    x = sds(2, 256, 4, 64)
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
+    fwd = export.export(jax.jit(_attn()), platforms=["cuda"], disabled_checks=checks)(x, x, x)
+    assert fwd.mlir_module().count(TRITON) == 1
+    bwd = export.export(jax.jit(_grad()), platforms=["cuda"], disabled_checks=checks)(x, x, x)
+    assert bwd.mlir_module().count(TRITON) == 3  # forward, backward preprocess, fused bwd
+
+
+def test_dispatcher_cuda_falls_back_when_gpu_kernel_refuses():
+    x, bias = sds(1, 256, 2, 64), sds(256, 256)
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
+    f = jax.jit(lambda q, k, v, b: kernels.attention(q, k, v, scale=0.1, bias=b))
+    text = export.export(f, platforms=["cuda"], disabled_checks=checks)(x, x, x, bias)
+    assert TRITON not in text.mlir_module()
+    text = export.export(f, platforms=["tpu"])(x, x, x, bias).mlir_module()
+    assert text.count("tpu_custom_call") == 1
+
+
+def test_forced_kernel_and_cost_estimate_in_tpu_export():
+    x = sds(1, 512, 2, 128, dtype=jnp.bfloat16)
+    f = jax.jit(_attn(kernel="pallas_tpu"))
+    text = export.export(f, platforms=["tpu"])(x, x, x).mlir_module()
+    assert text.count("tpu_custom_call") == 1
+    assert "cost_estimate" in text  # XLA's scheduler sees the kernel's flops and bytes
+
+
+def test_pallas_tpu_compiles_deviceless_for_v5e(monkeypatch):
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    # A deviceless compile drives no chip, so it may share libtpu with other processes.
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    topo = topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu")
+    mesh = topologies.make_mesh(topo, (1,), ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec())
+    x = jax.ShapeDtypeStruct((1, 1000, 4, 64), jnp.bfloat16, sharding=sharding)
+    f = jax.jit(_attn(causal=True), in_shardings=(sharding,) * 3, out_shardings=sharding)
+    compiled = f.trace(x, x, x).lower().compile()
+    assert "tpu_custom_call" in compiled.as_text()
