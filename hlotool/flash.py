@@ -291,18 +291,74 @@ def _operands(jaxpr: core.Jaxpr, site: JaxprSite, values: Mapping[Any, jax.Array
     return _Operands(q, k, v, site.scale, site.causal, bias, mask, empty, empty_value)
 
 
-def _kernel_output(name: str, ops: _Operands) -> jax.Array:
-    """[B, Lq, Hq, Dv] from kernel `name`, with empty rows as the naive program has them."""
-    out = kernels.get(name)(ops.q, ops.k, ops.v, scale=ops.scale, bias=ops.bias,
-                            mask=ops.mask, causal=ops.causal)
+def _kernel_output(name: str, ops: _Operands, mesh: Any = None) -> jax.Array:
+    """[B, Lq, Hq, Dv] from kernel `name`, with empty rows as the naive program has them.
+
+    With a `mesh`, the kernel runs under `jax.shard_map` split along batch and heads: Pallas
+    kernels cannot be partitioned automatically, and attention is independent per (b, h).
+    """
+    kernel = kernels.get(name)
+
+    def call(q, k, v, bias, mask):
+        return kernel(q, k, v, scale=ops.scale, bias=bias, mask=mask, causal=ops.causal)
+
+    args = (ops.q, ops.k, ops.v, ops.bias, ops.mask)
+    if mesh is not None:
+        batch, heads = _mesh_split(mesh, ops.q.shape[0], ops.q.shape[2], ops.k.shape[2])
+        if batch or heads:
+            spec = jax.sharding.PartitionSpec
+            qkv = spec(batch or None, None, heads or None, None)
+            scores = [None if x is None else spec(batch if x.shape[0] > 1 else None,
+                                                  heads if x.shape[1] > 1 else None)
+                      for x in (ops.bias, ops.mask)]
+            specs = (qkv, qkv, qkv, *scores)
+            call = jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=qkv,
+                                 check_vma=False)
+            # Explicit-axis meshes type values with their sharding: shard_map wants them
+            # already split as `specs` says.
+            if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
+                args = tuple(x if x is None else jax.sharding.reshard(
+                    x, jax.sharding.NamedSharding(mesh, spec)) for x, spec in zip(args, specs))
+    out = call(*args)
     if ops.empty_rows is not None:
         out = jnp.where(jnp.swapaxes(ops.empty_rows, 1, 2), ops.empty_value, out)
     return out
 
 
+def _mesh_split(mesh: Any, batch: int, q_heads: int, kv_heads: int
+                ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Mesh axes that split the batch, and those that split the heads (query and key/value
+    heads alike, so each shard keeps whole GQA groups); other axes replicate the kernel."""
+    on_batch, on_heads, nb, nh = [], [], 1, 1
+    for axis, size in mesh.shape.items():
+        if size == 1:
+            continue
+        if batch % (nb * size) == 0:
+            on_batch.append(axis)
+            nb *= size
+        elif q_heads % (nh * size) == 0 and kv_heads % (nh * size) == 0:
+            on_heads.append(axis)
+            nh *= size
+    return tuple(on_batch), tuple(on_heads)
+
+
+def mesh_of(leaves: Sequence[Any], in_shardings: Any = None) -> Any:
+    """The device mesh the program is sharded over, or None: from the arguments' shardings
+    (explicit-axis meshes show on traced values), jit's `in_shardings`, or the context mesh."""
+    named = jax.sharding.NamedSharding
+    found = [getattr(getattr(x, "aval", None), "sharding", None) for x in leaves]
+    found += [x.sharding for x in leaves if isinstance(x, jax.Array)
+              and not isinstance(x, core.Tracer)]
+    found += jax.tree.leaves(in_shardings, is_leaf=lambda x: isinstance(x, named))
+    for s in found:
+        if isinstance(s, named) and not s.mesh.empty and s.mesh.size > 1:
+            return s.mesh
+    context = jax.sharding.get_abstract_mesh()
+    return None if context.empty or context.size == 1 else context
+
+
 def replacement(jaxpr: core.Jaxpr, site: JaxprSite, plan: Mapping[str, str | None],
-                sharded: Callable[[Callable, _Operands], jax.Array] | None = None
-                ) -> Replacement:
+                mesh: Any = None) -> Replacement:
     """The function computing `site.out` under `plan` (platform → kernel name or None)."""
     inputs = free_inputs(jaxpr, site)
     naive = native(jaxpr, site)
@@ -314,8 +370,7 @@ def replacement(jaxpr: core.Jaxpr, site: JaxprSite, plan: Mapping[str, str | Non
             if name is None:
                 return naive(values)
             ops = _operands(jaxpr, site, values)
-            call = functools.partial(_kernel_output, name)
-            y = sharded(call, ops) if sharded is not None else call(ops)
+            y = _kernel_output(name, ops, mesh)
             return site.out_layout.from_canonical(y).astype(out_aval.dtype)
         return run
 
@@ -340,7 +395,7 @@ def site_key(site: JaxprSite) -> tuple:
 
 def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
                  disabled: Mapping[tuple, str] | None = None,
-                 sharded: Callable | None = None,
+                 mesh: Any = None,
                  ) -> tuple[Report, list[tuple[JaxprSite, Replacement]]]:
     """Detect and decide every site of `closed`: the report and the replacements to apply."""
     disabled = disabled or {}
@@ -353,7 +408,7 @@ def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
             plan = {p: c.kernel for p, c in choices.items()}
             reason = "; ".join(f"{p}: {c.reason}" for p, c in choices.items())
             if any(plan.values()):
-                replacements.append((site, replacement(jaxpr, site, plan, sharded)))
+                replacements.append((site, replacement(jaxpr, site, plan, mesh)))
         else:
             plan = dict.fromkeys(PLATFORMS)
         reports.append(SiteReport(site.site, _where(closed, site), plan, reason))
@@ -395,10 +450,10 @@ def _name(fn: Callable) -> str:
 class _Rewritten:
     """`fn` with its attention sites substituted at trace time; what `flash_jit` jits."""
 
-    def __init__(self, fn: Callable, kernel: str, sharded: Callable | None):
+    def __init__(self, fn: Callable, kernel: str, in_shardings: Any = None):
         if kernel != "auto":
             kernels.get(kernel)  # an unknown name fails here, in one line
-        self.fn, self.kernel, self.sharded = fn, kernel, sharded
+        self.fn, self.kernel, self.in_shardings = fn, kernel, in_shardings
         self.disabled: dict[tuple, str] = {}
         self.report: Report | None = None
         functools.update_wrapper(self, fn)
@@ -406,7 +461,8 @@ class _Rewritten:
     def __call__(self, *args, **kwargs):
         closed, dyn, unflatten = trace(self.fn, args, kwargs)
         self.report, replacements = plan_program(closed, _name(self.fn), self.kernel,
-                                                 self.disabled, self.sharded)
+                                                 self.disabled,
+                                                 mesh_of(dyn, self.in_shardings))
         closed = rewrite(closed, replacements)
         return unflatten(core.eval_jaxpr(closed.jaxpr, closed.consts, *dyn))
 
@@ -430,7 +486,7 @@ def flash_jit(fn: Callable, *, kernel: str = "auto", validate: bool = False,
     back to native, with a warning naming the site and the error, where they differ.
     Returns a `jax.jit`-wrapped function (`.lower`, `.trace`, `jax.export` work).
     """
-    rewritten = _Rewritten(fn, kernel, None)
+    rewritten = _Rewritten(fn, kernel, jit_kwargs.get("in_shardings"))
     jitted = jax.jit(rewritten, **jit_kwargs)
     if not validate:
         return jitted
@@ -502,7 +558,7 @@ class _Validated:
         return self._jitted(*args, **kwargs)
 
     def _run(self, args, kwargs, only: tuple | None, keys: Sequence[tuple]) -> Any:
-        rewritten = _Rewritten(self._fn, self._rewritten.kernel, self._rewritten.sharded)
+        rewritten = _Rewritten(self._fn, self._rewritten.kernel, self._rewritten.in_shardings)
         rewritten.disabled = {k: "validation" for k in keys if k != only}
         return _outputs_and_grads(jax.jit(rewritten, **self._jit_kwargs), args, kwargs)
 

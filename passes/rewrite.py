@@ -92,6 +92,12 @@ def check(jaxpr: core.Jaxpr, site: JaxprSite) -> None:
             raise RewriteError(f"equation {jaxpr.eqns[i].primitive} of the site has effects")
 
 
+def _explicit_sharding(aval: Any) -> Any:
+    """The sharding an aval carries in its type (explicit-axis meshes), else None."""
+    sharding = getattr(aval, "sharding", None)
+    return sharding if sharding is not None and not sharding.mesh.empty else None
+
+
 def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str) -> core.JaxprEqn:
     """`fn` traced into one `jit` equation reading `inputs` and defining `out`."""
 
@@ -99,7 +105,8 @@ def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str) -> core
         return fn(dict(zip(inputs, xs)))
 
     flat.__name__ = name
-    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type,
+                                  sharding=_explicit_sharding(v.aval))
              for v in inputs]
     closed = jax.make_jaxpr(jax.jit(flat))(*specs)
     (eqn,) = closed.jaxpr.eqns
