@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import difflib
-import graphlib
 import heapq
 from collections.abc import Iterable, Sequence
 
@@ -101,14 +100,33 @@ class _Side:
         return [(v, d["index"]) for _, v, d in self.graph.out_edges(n, data=True)
                 if d["kind"] == "operand"]
 
+    def _topological(self, deps: dict[str, list[str]]) -> list[str]:
+        """Every node after its dependencies (text order is one already, almost always)."""
+        done: set[str] = set()
+        out: list[str] = []
+        for start in sorted(deps, key=self.order.__getitem__):
+            if start in done:
+                continue
+            stack, active = [(start, iter(deps[start]))], {start}
+            while stack:
+                n, pending = stack[-1]
+                d = next((d for d in pending if d not in done), None)
+                if d is None:
+                    stack.pop()
+                    active.discard(n)
+                    done.add(n)
+                    out.append(n)
+                elif d in active:
+                    raise HlotoolError(f"HLO module {self.module.name!r} has an operand "
+                                       f"cycle through {d}")
+                else:
+                    active.add(d)
+                    stack.append((d, iter(deps[d])))
+        return out
+
     def _fingerprint(self) -> None:
         deps = {n: [*self.operands(n), *self.callee_roots(n)] for n in self.inst}
-        try:
-            ordered = list(graphlib.TopologicalSorter(deps).static_order())
-        except graphlib.CycleError as e:
-            raise HlotoolError(f"HLO module {self.module.name!r} has an operand cycle through "
-                               f"{e.args[1][0]}") from None
-        for n in ordered:
+        for n in self._topological(deps):
             local = _local_key(self.inst[n])
             self.local[n] = local
             self.fingerprint[n] = hash((local, *(self.fingerprint[d] for d in deps[n])))
@@ -486,8 +504,8 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
     sides: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
     for x in parent:
         sides[find(x)].add(x[0])
-    link({k: [m for m in members if len(sides[find(m)]) == 1]
-          for k, members in reads.items()})
+    one_sided = {x for x in parent if len(sides[find(x)]) == 1}
+    link({k: [m for m in members if m in one_sided] for k, members in reads.items()})
     for tag, side, changed in (("a", a, removed), ("b", b, added)):
         for n in changed:
             users = sorted((u for u, _ in side.users(n) if (tag, u) in parent),
