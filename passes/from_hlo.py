@@ -7,6 +7,7 @@ and are matched in place, their name giving the site's path.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -75,6 +76,10 @@ def _normalize(inst: Instruction, module: Module) -> tuple[str, dict, list[str]]
     return _RENAMED.get(op, op), {}, operands
 
 
+def _source(inst: Instruction) -> str:
+    return user_source((f.file, f.line) for f in inst.stack)
+
+
 def _graph(comp: Computation, module: Module) -> Graph:
     graph = Graph([], (comp.name,))
     env: dict[str, Node] = {}
@@ -96,8 +101,8 @@ def _graph(comp: Computation, module: Module) -> Graph:
             inputs = tuple(env[o] for o in operands if o in env)
             if len(inputs) != len(operands):
                 op = inst.opcode  # an operand from elsewhere: keep the node opaque
-            source = user_source((f.file, f.line) for f in inst.stack)
-            node = Node(op, inputs, dims, dtype, params, source, inst.name)
+            node = Node(op, inputs, dims, dtype, params, functools.partial(_source, inst),
+                        inst.name)
         env[inst.name] = node
         graph.nodes.append(node)
     return graph

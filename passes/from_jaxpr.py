@@ -13,6 +13,7 @@ sub-jaxpr ("jaxpr", "call_jaxpr", "body_jaxpr", "branches[1]", ...). `jaxpr_at` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -147,7 +148,7 @@ class _Builder:
             op, params, order = _normalize(eqn)
             if order is not None:
                 inputs = [inputs[i] for i in order]
-            source = _source(eqn)
+            source = functools.partial(_source, eqn)
             for i, v in enumerate(eqn.outvars):
                 node = Node(op, tuple(inputs), tuple(v.aval.shape), str(v.aval.dtype),
                             dict(params, index=i) if len(eqn.outvars) > 1 else params,
@@ -293,7 +294,21 @@ def _site_level(nodes: tuple[Node, ...]) -> Path:
     return common
 
 
-def _to_jaxpr_site(closed: core.ClosedJaxpr, match: Match) -> JaxprSite:
+def _readers(jaxpr: core.Jaxpr) -> dict[Any, set[int]]:
+    """Var -> indices of the equations reading it (len(eqns) stands for the outputs)."""
+    readers: dict[Any, set[int]] = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for v in e.invars:
+            if not isinstance(v, core.Literal):
+                readers.setdefault(v, set()).add(i)
+    for v in jaxpr.outvars:
+        if not isinstance(v, core.Literal):
+            readers.setdefault(v, set()).add(len(jaxpr.eqns))
+    return readers
+
+
+def _to_jaxpr_site(closed: core.ClosedJaxpr, match: Match,
+                   readers: dict[Path, dict[Any, set[int]]]) -> JaxprSite:
     body = [n for n in match.body if isinstance(n.ref, JaxprRef)]
     level = _site_level(tuple(n for n in body if n.op not in ("constant", "parameter")))
     eqns = set()
@@ -311,9 +326,9 @@ def _to_jaxpr_site(closed: core.ClosedJaxpr, match: Match) -> JaxprSite:
 
     out = var(match.out)
     defined = {v for i in eqns for v in jaxpr.eqns[i].outvars} - {out}
-    used_outside = {v for i, e in enumerate(jaxpr.eqns) if i not in eqns for v in e.invars
-                    if not isinstance(v, core.Literal)} | {
-        v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
+    if level not in readers:
+        readers[level] = _readers(jaxpr)
+    escaping = {v for v in defined if readers[level].get(v, set()) - eqns}
     masks = tuple(
         MaskVar(t.kind, *_visible(t.operand, level), t.at.shape, t.scores_layout, t.sign,
                 t.fill, t.keep_when, var(t.key_lengths))
@@ -325,7 +340,7 @@ def _to_jaxpr_site(closed: core.ClosedJaxpr, match: Match) -> JaxprSite:
         v=OperandVar(var(match.v.node), match.v.layout),
         out=out, out_layout=match.out_layout, scale=match.scale,
         causal=any(t.kind == "causal" for t in match.masks), masks=masks,
-        intermediates=frozenset(defined), escaping=frozenset(defined & used_outside),
+        intermediates=frozenset(defined), escaping=frozenset(escaping),
         match=match,
     )
 
@@ -334,9 +349,9 @@ def detect_jaxpr(closed: core.ClosedJaxpr, function: str = "") -> list[JaxprSite
     """Every attention site in `closed`, nested bodies included, in program order."""
     if not isinstance(closed, core.ClosedJaxpr):
         raise HlotoolError(f"detect_jaxpr needs a ClosedJaxpr, got {type(closed).__name__}")
-    sites = []
+    sites, readers = [], {}
     for graph in regions(closed):
-        sites.extend(_to_jaxpr_site(closed, m) for m in find(graph, function))
+        sites.extend(_to_jaxpr_site(closed, m, readers) for m in find(graph, function))
     return sites
 
 

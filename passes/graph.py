@@ -20,7 +20,7 @@ Anything else keeps its own op name and is opaque to the pattern.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -42,8 +42,16 @@ class Node:
     shape: tuple[int, ...]
     dtype: str
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
-    source: str = ""  # "path:line" of the user code that produced it, when known
+    # "path:line" of the user code that produced it, or a function computing it on demand
+    # (resolving stack frames for every node would dominate detection time).
+    where: str | Callable[[], str] = ""
     ref: Any = None  # the front end's handle (jaxpr location or HLO instruction name)
+
+    @property
+    def source(self) -> str:
+        if callable(self.where):
+            self.where = self.where()
+        return self.where
 
     @property
     def size(self) -> int:
