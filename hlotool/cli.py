@@ -406,6 +406,65 @@ def _diff_function(f: CapturedFunction, stage: str, target: str, kernel: str) ->
     return FunctionDiff(f.name, stage, target, d, by_site(d, sites))
 
 
+@cli.command(
+    short_help="Run SCRIPT and rewrite each compiled function's attention with flash_jit.",
+    epilog="""\b
+Examples:
+  hlotool rewrite examples/causal_decoder.py
+  hlotool rewrite examples/causal_decoder.py:forward --stage hlo -o out/
+  hlotool rewrite examples/flax_model.py --kernel chunked --json -- --seq-len 256""",
+)
+@_script_argument
+@click.option("--kernel", default="auto", show_default=True,
+              help="auto (per platform) or a kernel name from hlotool.kernels.")
+@click.option("--stage", type=click.Choice(STAGE_NAMES),
+              help="With -o: write each rewritten program at this stage.")
+@click.option(
+    "--target", "target", default="cpu", show_default=True, metavar="NAME", help=_TARGET_HELP
+)
+@click.option("-o", "--output", "output", type=click.Path(file_okay=False),
+              help="Directory for the rewritten programs (created if missing).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@_fail_cleanly
+def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str | None,
+            target: str, output: str | None, as_json: bool) -> None:
+    """Run SCRIPT and rewrite each compiled function as hlotool.flash_jit would.
+
+    Prints, per attention site, the kernel chosen on each platform (cpu, tpu, cuda) or why
+    it stays native. --stage with -o writes each rewritten program like `dump`, as
+    NNN_jit_NAME.flash.<stage file>. SCRIPT:NAME and `--` script arguments work as for
+    `inspect`.
+    """
+    from hlotool.flash import rewrite_captured
+    from hlotool.targets import get_target
+
+    if (stage is None) != (output is None):
+        raise HlotoolError("--stage and -o go together: name both to write rewritten programs")
+    compile_target = get_target(target)
+    if output is not None:
+        _ensure_writable_dir(output)
+    path, functions = _capture(script, script_args)
+    reports = []
+    for f in functions:
+        report, rewritten = rewrite_captured(f, kernel)
+        reports.append(report)
+        if output is not None:
+            stem, _, rest = f.stage_filename(stage, compile_target).partition(".")
+            file = os.path.join(output, f"{stem}.flash.{rest}")
+            try:
+                with open(file, "w") as out:
+                    out.write(rewritten.stage_text(stage, compile_target))
+            except OSError as e:
+                raise HlotoolError(f"cannot write {file}: {e.strerror or e}") from e
+            click.echo(file, err=as_json)
+    if as_json:
+        click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,
+                               "functions": [r.to_json() for r in reports]}, indent=2))
+        return
+    for report in reports:
+        click.echo(str(report))
+
+
 def _register_cost() -> None:
     from hlotool.cost.command import command
 

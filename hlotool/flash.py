@@ -584,3 +584,18 @@ class _Validated:
                 self._rewritten.disabled[key] = f"validation failed: {problem}"
         if self._rewritten.disabled:
             self._jitted = jax.jit(self._rewritten, **self._jit_kwargs)
+
+
+def rewrite_captured(function: Any, kernel: str = "auto") -> tuple[Report, Any]:
+    """A function `hlotool.capture` recorded, rewritten: its report, and a copy of the
+    `CapturedFunction` whose program (every stage: jaxpr, StableHLO, HLO, optimized) is the
+    rewritten one."""
+    from jax.extend.core import jaxpr_as_fun
+
+    rewritten = _Rewritten(jaxpr_as_fun(function.closed_jaxpr), kernel)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+            for a in function.in_avals]
+    closed = jax.make_jaxpr(rewritten)(*args)
+    report = dataclasses.replace(rewritten.report, function=function.name)
+    return report, dataclasses.replace(function, closed_jaxpr=closed, _lowered={},
+                                       _compiled={})

@@ -74,7 +74,7 @@ def native(jaxpr: core.Jaxpr, site: JaxprSite) -> Replacement:
 def check(jaxpr: core.Jaxpr, site: JaxprSite) -> None:
     """Raise `RewriteError` if dropping the site's equations would change the program."""
     if site.escaping:
-        names = ", ".join(sorted(str(v) for v in site.escaping))
+        names = ", ".join(sorted(v.aval.str_short(short_dtypes=True) for v in site.escaping))
         raise RewriteError(
             f"intermediate values of the attention ({names}) are used outside it (returned, "
             "logged, or read by a gradient computation)")
