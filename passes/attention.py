@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from hlotool.errors import HlotoolError
 from hlotool.passes import axes
 from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, fold, strip, uniform_value
 from hlotool.passes.pattern import Alt, Any, Chain, Const, Link, Op, Same, Step, Through
@@ -168,6 +169,11 @@ def describe(m: dict, position: dict[int, int], function: str = "") -> Match | N
         return _describe(m, position, function)
     except _Reject:
         return None
+    except (ArithmeticError, LookupError, ValueError, TypeError) as e:
+        out = m["out"]
+        raise HlotoolError(
+            f"attention detection failed at {out.op} {out.dtype}{list(out.shape)} "
+            f"({out.source or out.ref}): {type(e).__name__}: {e}") from e
 
 
 def _operand_labels(node: Node, batch: tuple[int, ...], contract: tuple[int, ...],

@@ -15,7 +15,7 @@ import numpy as np
 from hlotool.errors import HlotoolError
 from hlotool.hlo import Computation, Instruction, Module, parse_module
 from hlotool.passes.attention import Match, find
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, user_source
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, uniform_value, user_source
 from hlotool.site import AttentionSite
 
 _DTYPES = {
@@ -29,6 +29,8 @@ _RENAMED = {
     "reduce-precision": "reduce_precision", "remainder": "rem",
 }
 _REDUCERS = {"maximum": "reduce_max", "add": "reduce_sum"}
+# The init value that makes a reduce a plain max / sum.
+_IDENTITY = {"reduce_max": lambda v: v == -np.inf or v <= -3e38, "reduce_sum": lambda v: v == 0}
 _NUMBER = re.compile(r"-?inf|nan|true|false|[-+0-9.eE]+")
 
 
@@ -101,6 +103,10 @@ def _graph(comp: Computation, module: Module) -> Graph:
             inputs = tuple(env[o] for o in operands if o in env)
             if len(inputs) != len(operands):
                 op = inst.opcode  # an operand from elsewhere: keep the node opaque
+            elif op in _IDENTITY:
+                init = uniform_value(env[inst.operands[1]]) if inst.operands[1] in env else None
+                if init is None or not _IDENTITY[op](init):
+                    op = inst.opcode
             node = Node(op, inputs, dims, dtype, params, functools.partial(_source, inst),
                         inst.name)
         env[inst.name] = node
