@@ -430,3 +430,15 @@ def test_two_layers_two_sites(frontend):
 
     sites = detect(two, (Q, K, V), frontend)
     assert [s.scale for s in sites] == [0.25, 0.5]
+
+
+def test_hlo_site_inside_while_body_names_its_computation():
+    from hlotool.hlo import parse_module
+    from hlotool.passes.from_hlo import find_matches
+
+    args = (arr(B, L, H * D), arr(3, 3, H * D, H * D) / 8)
+    module = parse_module(jax.jit(layers).lower(*args).as_text(dialect="hlo")).inline_calls()
+    (match,) = find_matches(module)
+    (name,) = match.region
+    whiles = [i for i in module.instructions() if i.opcode == "while"]
+    assert any(name in w.called_computations for w in whiles)
