@@ -98,7 +98,7 @@ def neighbourhood(diff: ModuleDiff, change: SiteChange, side: str,
     own, other = (change.removed, change.added) if side == "before" else \
         (change.added, change.removed)
     other_graph = diff.after_graph if side == "before" else diff.before_graph
-    to_here = {v: k for k, v in diff.mapping.items()} if side == "before" else diff.mapping
+    to_here = diff.reverse if side == "before" else diff.mapping
     seeds = set(own)
     for n in other:
         for w in (*other_graph.predecessors(n), *other_graph.successors(n)):

@@ -161,7 +161,25 @@ class _Matcher:
         while worklist:
             more = self._top_down(worklist) + self._bottom_up(worklist)
             worklist = more
+        self._shared_callees()
         return self.fwd
+
+    def _shared_callees(self) -> None:
+        """Kept callers whose called computations are identical but were printed once on one
+        side and once per caller on the other (jax shares a reducer between reductions only
+        sometimes): the extra copies are kept too, mapped many-to-one."""
+        for x, y in list(self.fwd.items()):
+            for rx, ry in zip(self.a.callee_roots(x), self.b.callee_roots(y)):
+                if self.a.fingerprint[rx] != self.b.fingerprint[ry]:
+                    continue
+                stack = [(rx, ry)]
+                while stack:
+                    u, v = stack.pop()
+                    if u in self.fwd and v in self.back:
+                        continue
+                    self.fwd.setdefault(u, v)
+                    self.back.setdefault(v, u)
+                    stack.extend(zip(self.a.operands(u), self.b.operands(v)))
 
     def _exact(self) -> None:
         groups_b: dict[int, list[str]] = collections.defaultdict(list)
@@ -267,7 +285,9 @@ class ModuleDiff:
     """Two modules (calls inlined) and how their instructions correspond.
 
     `mapping` maps kept node ids of `before` to node ids of `after` (``"computation/name"``,
-    as `hlotool.hlo.to_graph` names nodes); `removed` and `added` are in text order.
+    as `hlotool.hlo.to_graph` names nodes; many-to-one where one side prints a shared
+    computation once and the other once per caller); `removed` and `added` are in text
+    order.
     """
 
     before: Module
@@ -275,6 +295,7 @@ class ModuleDiff:
     before_graph: nx.MultiDiGraph
     after_graph: nx.MultiDiGraph
     mapping: dict[str, str]
+    reverse: dict[str, str]  # kept node ids of `after` → `before`
     removed: list[str]
     added: list[str]
     regions: list[Region]
@@ -343,11 +364,10 @@ class ModuleDiff:
             op = self._before_side.inst[n].opcode
             names_a[n] = f"{op}.{counters[op]}"
             counters[op] += 1
-        back = {y: x for x, y in self.mapping.items()}
         new: collections.Counter[str] = collections.Counter()
         for n in sorted(self._after_side.inst, key=self._after_side.order.__getitem__):
-            if n in back:
-                names_b[n] = names_a[back[n]]
+            if n in self.reverse:
+                names_b[n] = names_a[self.reverse[n]]
             else:
                 op = self._after_side.inst[n].opcode
                 names_b[n] = f"{op}.new{new[op]}"
@@ -588,12 +608,12 @@ def diff_modules(before: Module | str, after: Module | str) -> ModuleDiff:
     (so jit nesting does not count as change, and node ids agree with `passes.from_hlo`)."""
     a = _Side.build(_as_module(before, "before"))
     b = _Side.build(_as_module(after, "after"))
-    mapping = _Matcher(a, b).run()
-    kept_b = set(mapping.values())
+    matcher = _Matcher(a, b)
+    mapping = matcher.run()
     removed = sorted((n for n in a.inst if n not in mapping), key=a.order.__getitem__)
-    added = sorted((n for n in b.inst if n not in kept_b), key=b.order.__getitem__)
-    return ModuleDiff(a.module, b.module, a.graph, b.graph, mapping, removed, added,
-                      _regions(a, b, mapping, removed, added), a, b)
+    added = sorted((n for n in b.inst if n not in matcher.back), key=b.order.__getitem__)
+    return ModuleDiff(a.module, b.module, a.graph, b.graph, mapping, matcher.back, removed,
+                      added, _regions(a, b, mapping, removed, added), a, b)
 
 
 @dataclasses.dataclass
