@@ -417,7 +417,8 @@ def _computation_names(side: _Side, names: dict[str, str]) -> dict[str, str]:
 def _aligned(side: _Side, nodes: list[str], rank: dict[str, int]) -> list[str]:
     """`nodes` in an order that puts operands first and otherwise follows `rank` (the text
     position of each kept node's counterpart), so that both sides print in the same order
-    and a text diff aligns them; an unranked (added) node follows its operands."""
+    and a text diff aligns them; an unranked (added) node follows its operands, or precedes
+    its first user when it has no ranked operand."""
     inside = set(nodes)
     deps = {n: [o for o in side.operands(n) if o in inside] for n in nodes}
     users: dict[str, list[str]] = collections.defaultdict(list)
@@ -425,9 +426,16 @@ def _aligned(side: _Side, nodes: list[str], rank: dict[str, int]) -> list[str]:
         for o in ops:
             users[o].append(n)
     waiting = {n: len(set(ops)) for n, ops in deps.items()}
-    key = {}
-    for n in sorted(nodes, key=side.order.__getitem__):
-        key[n] = rank.get(n, max((key.get(o, -1) for o in deps[n]), default=-1))
+    text_order = sorted(nodes, key=side.order.__getitem__)
+    key: dict[str, int | None] = {}
+    for n in text_order:
+        known = [key[o] for o in deps[n] if key[o] is not None]
+        key[n] = rank.get(n, max(known, default=None))
+    # Added constants (and what is built from them alone) go just before their first user.
+    for n in reversed(text_order):
+        if key[n] is None:
+            known = [key[u] for u in users[n] if key[u] is not None]
+            key[n] = min(known, default=-1)
     ready = [(key[n], side.order[n], n) for n in nodes if not waiting[n]]
     heapq.heapify(ready)
     out = []
