@@ -134,7 +134,8 @@ def _dot_string(text: str) -> str:
 
 def _label(inst) -> str:
     shape = inst.shape
-    dims = str(shape) if shape.is_tuple else f"{shape.element_type}[{','.join(map(str, shape.dims))}]"
+    dims = str(shape) if shape.is_tuple else \
+        f"{shape.element_type}[{','.join(map(str, shape.dims))}]"
     if len(dims) > 40:
         dims = dims[:39] + "…"
     head = inst.opcode
@@ -268,11 +269,15 @@ def text_summary(functions: Sequence[FunctionDiff]) -> str:
 _SVG_HEAD = re.compile(r"\A.*?(?=<svg\b)", re.S)
 _STYLE = """
 body{font-family:Helvetica,Arial,sans-serif;margin:24px;color:#222}
-table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;font-size:13px;text-align:left}
-.pair{display:flex;gap:16px;align-items:flex-start}.pair>div{flex:1;overflow:auto;border:1px solid #ddd;padding:6px}
+table{border-collapse:collapse}
+td,th{border:1px solid #ccc;padding:4px 8px;font-size:13px;text-align:left}
+.pair{display:flex;gap:16px;align-items:flex-start}
+.pair>div{flex:1;overflow:auto;border:1px solid #ddd;padding:6px}
 .note{color:#666;font-size:12px}
-pre{font-size:11px;background:#fafafa;padding:8px;overflow:auto}.d-{color:#b00}.d\\+{color:#070}.d\\@{color:#06c}
-.legend span{display:inline-block;padding:2px 6px;margin-right:4px;border:1px solid #999;font-size:12px}
+pre{font-size:11px;background:#fafafa;padding:8px;overflow:auto}
+.d-{color:#b00}.d\\+{color:#070}.d\\@{color:#06c}
+.legend span{display:inline-block;padding:2px 6px;margin-right:4px;border:1px solid #999;
+font-size:12px}
 """
 
 

@@ -262,7 +262,8 @@ class ChangeStats:
     score_buffers: tuple[int, int] | None = None
 
     def line(self) -> str:
-        """One line, e.g. ``−14 instructions, +3 (1 custom-call tpu_custom_call), L×L buffers 2 → 0``."""
+        """One line, e.g.
+        ``−14 instructions, +3 (1 custom-call tpu_custom_call), L×L buffers 2 → 0``."""
         if not (self.removed or self.added):
             return "no change"
         parts = [f"−{self.removed} instructions", f"+{self.added}"] if self.removed else \
@@ -341,8 +342,10 @@ class ModuleDiff:
         buffers = None
         if site is not None:
             buffers = (
-                sum(_score_sized(i, site) for n, i in zip(removed, a) if not self.fused("before", n)),
-                sum(_score_sized(i, site) for n, i in zip(added, b) if not self.fused("after", n)),
+                sum(_score_sized(i, site) for n, i in zip(removed, a)
+                    if not self.fused("before", n)),
+                sum(_score_sized(i, site) for n, i in zip(added, b)
+                    if not self.fused("after", n)),
             )
         return ChangeStats(
             removed=len(a), added=len(b),

@@ -124,9 +124,8 @@ def test_unified_diff_normalizes_names():
     assert "%tanh.0 = f32[4,8]{1,0} tanh(%custom-call.new0)" in text
 
 
-def test_two_sites_two_regions():
-    layer2 = NATIVE.replace("ROOT out", "out").replace(
-        "  ROOT out", "").rstrip().rstrip("}") + """  s2 = f32[4,4]{1,0} dot(out, k), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+LAYER2 = """\
+  s2 = f32[4,4]{1,0} dot(out, k), lhs_contracting_dims={1}, rhs_contracting_dims={1}
   e2 = f32[4,4]{1,0} exponential(s2)
   r2 = f32[4]{0} reduce(e2, init), dimensions={1}, to_apply=max_r
   b2 = f32[4,4]{1,0} broadcast(r2), dimensions={0}
@@ -135,10 +134,16 @@ def test_two_sites_two_regions():
   ROOT t2 = f32[4,8]{1,0} tanh(o2)
 }
 """
-    rewritten2 = REWRITTEN.replace("ROOT out", "out").rstrip().rstrip("}") + """  o2 = f32[4,8]{1,0} custom-call(out, k, w), custom_call_target="flash"
+LAYER2_REWRITTEN = """\
+  o2 = f32[4,8]{1,0} custom-call(out, k, w), custom_call_target="flash"
   ROOT t2 = f32[4,8]{1,0} tanh(o2)
 }
 """
+
+
+def test_two_sites_two_regions():
+    layer2 = NATIVE.replace("ROOT out", "out").rstrip().rstrip("}") + LAYER2
+    rewritten2 = REWRITTEN.replace("ROOT out", "out").rstrip().rstrip("}") + LAYER2_REWRITTEN
     d = diff_modules(layer2, rewritten2)
     assert len(d.regions) == 2
     first, second = d.regions

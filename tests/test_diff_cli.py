@@ -56,7 +56,8 @@ def test_text_summary(model):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("attention (hlo, cpu): −")
     assert re.fullmatch(r"  site 1: attention q\[1×128×2×16\] float32, mask none at "
-                        r".*model\.py:5: −\d+ instructions, \+\d+, L×L buffers \d+ → \d+", lines[1])
+                        r".*model\.py:5: −\d+ instructions, \+\d+, "
+                        r"L×L buffers \d+ → \d+", lines[1])
     assert "skipped mlp: no attention site" in result.output
 
 

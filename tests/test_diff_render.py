@@ -167,7 +167,8 @@ def test_write_pieces(tmp_path):
     assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in pngs)
     [txt] = render.write_pieces([f], str(tmp_path / "txt"), "txt")
     assert "-  %dot.0 = f32[4,4]{1,0} dot(" in open(txt).read()
-    with pytest.raises(render.HlotoolError, match="unknown format 'gif'; valid formats: svg, png, dot, txt"):
+    with pytest.raises(render.HlotoolError,
+                       match="unknown format 'gif'; valid formats: svg, png, dot, txt"):
         render.write_pieces([f], str(tmp_path), "gif")
 
 
