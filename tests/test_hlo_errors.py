@@ -169,3 +169,14 @@ def test_inconsistent_debug_tables():
     tables = 'FileNames\n1 "a.py"\n\nFileLocations\n1 {file_name_id=2 line=3}\n\n'
     error = parse_error(GOOD.replace("%add (", tables + "%add (", 1))
     assert "file location 1 names file 2, which is not in FileNames" in str(error)
+
+
+def test_operand_lists_the_fast_path_cannot_split_are_rescanned():
+    # Tabs and inline shapes are legal but unusual: the operands must still come out right.
+    text = GOOD.replace("add(%p, %q)", "add(%p,\t%q)").replace("negate(%p)", "negate(f32[2]{0} %p)")
+    entry = parse_module(text).entry
+    assert entry.get("r").operands == ["p", "q"]
+    assert entry.get("q").operands == ["p"] and str(entry.get("q").operand_shapes[0]) == "f32[2]{0}"
+    error = parse_error(text.replace("add(%p,\t%q)", "add(%p,\t%nope)"))
+    assert "operand 'nope' of 'r' is not defined" in str(error)
+    assert (error.line, error.column) == position(text.replace("%q)", "%nope)"), "nope)")

@@ -47,6 +47,8 @@ def unquote(text: str) -> str:
 
 def split_names(value: str) -> list[str]:
     """`{%a, %b}` or `%a` → `["a", "b"]`."""
+    if "," not in value and "{" not in value:
+        return [value.strip().lstrip("%")]
     value = value.strip()
     if value.startswith("{") and value.endswith("}"):
         value = value[1:-1]
@@ -136,7 +138,8 @@ class Instruction:
     """One HLO instruction: `name = shape opcode(operands), attr=value, ...`.
 
     `operands` are instruction names in operand order; `operand_shapes[i]` is the shape XLA
-    printed inline before operand i (None when it printed the bare name). `literal` is the
+    printed inline before operand i (None when it printed the bare name; the tuple is empty
+    when it printed none). `literal` is the
     text inside `constant(...)`. `line` is the 1-based line it was parsed from (0 if built).
     """
 
@@ -145,7 +148,7 @@ class Instruction:
     shape: Shape
     operands: list[str]
     attributes: dict[str, str]
-    operand_shapes: list[Shape | None] = dataclasses.field(default_factory=list)
+    operand_shapes: tuple[Shape | None, ...] = ()
     literal: str | None = None
     parameter_number: int | None = None
     is_root: bool = False

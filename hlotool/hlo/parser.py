@@ -46,34 +46,35 @@ def _nested(depth: int) -> str:
     return inner
 
 
-_NEST = _nested(4)
+# Depth 3 covers tuple shapes with tiled layouts, (f32[8]{0:T(8)}, ...); attribute values
+# get one level more (metadata, sharding, most backend configs); deeper text takes the
+# precise scanner.
+_NEST = _nested(3)
 _SHAPE = r"(?:\(" + _NEST + r"\)|[a-z][a-z0-9]*\[[^\]]*\](?:\{[^{}]*\})?)"
 _INSTRUCTION_RE = re.compile(
-    r"\s*(ROOT\s+)?%?(" + _NAME + r")\s*=\s*(" + _SHAPE + r")\s*([a-z][\w\-]*)\((" + _NEST + r")\)"
+    r"\s*(ROOT\s+)?%?(" + _NAME + r")\s*=\s*(" + _SHAPE + r")\s*([a-z][\w\-]*)\(([^()]*)\)", re.ASCII
 )
 # A value is a run of words, quoted strings and bracketed groups; a blank may only lead
 # into a group (`replica_groups=mesh['axis_0'=4] {'axis_0'}`).
 _VALUE = (
-    r"(?:[^,{}()\[\]\"\s]++|" + _STRING + r"|\{" + _NEST + r"\}|\(" + _NEST + r"\)|\[" + _NEST
+    r"(?:[^,{}()\[\]\"\s]++|" + _STRING + r"|\{" + _nested(4) + r"\}|\(" + _NEST + r"\)|\[" + _NEST
     + r"\]|\s++(?=[{(\[\"]))++"
 )
-# An attribute, or (third group) any other visible character, which rejects the line.
-_ATTRIBUTES_RE = re.compile(r"\s*,\s*(" + _NAME + r")=(" + _VALUE + r")|(\S)")
-_BARE_OPERANDS_RE = re.compile(r"\s*%?" + _NAME + r"\s*(?:,\s*%?" + _NAME + r"\s*)*")
-_OPERAND_NAME_RE = re.compile(r"%?(" + _NAME + r")")
+# An attribute, or any other visible character, which yields ("", "") and rejects the line.
+_ATTRIBUTES_RE = re.compile(r"\s*,\s*(" + _NAME + r")=(" + _VALUE + r")|\S", re.ASCII)
 _SHAPES: dict[str, Shape] = {}
 _CALL_KEYS = frozenset(CALLED_COMPUTATION_ATTRS)
-_OPERAND_RE = re.compile(r"\s*(?:(" + _SHAPE + r")\s+)?%?(" + _NAME + r")\s*(?:,|$)")
-_COMPUTATION_RE = re.compile(r"\s*(ENTRY\s+)?%?(" + _NAME + r")\s*(\(.*\)\s*->.*?)?\s*\{\s*$")
-_HEADER_RE = re.compile(r"\s*HloModule\s+(" + _NAME + r")")
-_TABLE_ROW_RE = re.compile(r"\s*(\d+)\s+(.*?)\s*$")
-_TOKEN_RE = re.compile(_STRING + r'|"|[{}()\[\]]')
-_STRING_RE = re.compile(_STRING)
-_ARRAY_SHAPE_RE = re.compile(r"[a-z][a-z0-9]*\[[^\]\n]*\]")
-_OPCODE_RE = re.compile(r"[a-z][\w\-]*")
-_NAME_RE = re.compile(_NAME)
-_COMMENT_RE = re.compile(_STRING + r"|/\*.*?\*/", re.DOTALL)
-_WORD_RE = re.compile(r"\s*(" + _NAME + r")")
+_OPERAND_RE = re.compile(r"\s*(?:(" + _SHAPE + r")\s+)?%?(" + _NAME + r")\s*(?:,|$)", re.ASCII)
+_COMPUTATION_RE = re.compile(r"\s*(ENTRY\s+)?%?(" + _NAME + r")\s*(\(.*\)\s*->.*?)?\s*\{\s*$", re.ASCII)
+_HEADER_RE = re.compile(r"\s*HloModule\s+(" + _NAME + r")", re.ASCII)
+_TABLE_ROW_RE = re.compile(r"\s*(\d+)\s+(.*?)\s*$", re.ASCII)
+_TOKEN_RE = re.compile(_STRING + r'|"|[{}()\[\]]', re.ASCII)
+_STRING_RE = re.compile(_STRING, re.ASCII)
+_ARRAY_SHAPE_RE = re.compile(r"[a-z][a-z0-9]*\[[^\]\n]*\]", re.ASCII)
+_OPCODE_RE = re.compile(r"[a-z][\w\-]*", re.ASCII)
+_NAME_RE = re.compile(_NAME, re.ASCII)
+_COMMENT_RE = re.compile(_STRING + r"|/\*.*?\*/", re.DOTALL | re.ASCII)
+_WORD_RE = re.compile(r"\s*(" + _NAME + r")", re.ASCII)
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
 
@@ -124,6 +125,7 @@ class _ModuleParser:
         self.src = source
         self.lines = source.lines
         self.pos = 0  # index of the next line to read
+        self.callers: list[Instruction] = []  # instructions that name computations
 
     def parse(self) -> Module:
         name, attributes = self._header()
@@ -159,7 +161,7 @@ class _ModuleParser:
         if problem:
             raise self.src.error(f"inconsistent debug tables: {problem}", self._table_line or 1, 1)
         module = Module(name, computations, attributes, table, self.src.name)
-        _check_calls(module, self.src)
+        _check_calls(module, self.callers, self.src)
         return module
 
     # -- module header and debug tables ---------------------------------------------------
@@ -223,8 +225,8 @@ class _ModuleParser:
     def _computation(self, table: StackFrameTable) -> Computation:
         line_no = self.pos + 1
         line = self.lines[self.pos]
-        m = _COMPUTATION_RE.match(line)
-        if not m:
+        header = _COMPUTATION_RE.match(line)
+        if not header:
             col = len(line) - len(line.lstrip()) + 1
             if "=" in line and not line.strip().endswith("{"):
                 raise self.src.error("instruction outside a computation (missing '{' header?)", line_no, col)
@@ -232,9 +234,18 @@ class _ModuleParser:
                 "expected a computation header like 'ENTRY %main (p: f32[2]) -> f32[2] {'", line_no, col
             )
         self.pos += 1
-        comp_name = m.group(2)
+        comp_name = header.group(2)
         instructions: list[Instruction] = []
-        by_name: dict[str, Instruction] = {}
+        append = instructions.append
+        # Checked once the computation is complete: operand names, ROOTs, parameter numbers.
+        used: list[str] = []
+        use = used.extend
+        roots: list[Instruction] = []
+        params: list[int] = []
+        no_calls = _CALL_KEYS.isdisjoint
+        match_instruction = _INSTRUCTION_RE.match
+        find_attributes = _ATTRIBUTES_RE.findall
+        shapes = _SHAPES
         lines = self.lines
         n_lines = len(lines)
         pos = self.pos
@@ -244,57 +255,97 @@ class _ModuleParser:
                     f"computation {comp_name!r} is not closed (missing '}}')", line_no, len(line)
                 )
             text = lines[pos]
-            inst = _fast_instruction(text, pos + 1, table) if "/*" not in text else None
-            if inst is None:
-                stripped = text.strip()
-                if stripped == "}":
-                    pos += 1
-                    break
-                if not stripped or stripped.startswith("//"):
-                    pos += 1
-                    continue
-                if "/*" in text:
-                    text = _blank_comments(text)
-                    inst = _fast_instruction(text, pos + 1, table)
-            if inst is None:
-                if _COMPUTATION_RE.match(text):
-                    raise self.src.error(
-                        f"expected '}}' closing computation {comp_name!r} before the next header",
-                        pos + 1, 1,
-                    )
-                self.pos = pos
-                text = self._statement()
-                inst = _build(_parse_slow(text, self.src, pos + 1), text, self.src, pos + 1, table)
-                pos = self.pos
-            else:
-                pos += 1
-            if inst.name in by_name:
+            pos += 1
+            if "/*" in text:
+                text = _blank_comments(text)
+            # The fast path: a well-formed one-line instruction in a few C-level calls. It is
+            # the parser's hot loop, hence written out here rather than in a helper.
+            m = match_instruction(text)
+            if m is not None:
+                root, name, shape_text, opcode, inside = m.groups()
+                found = find_attributes(text, m.end())
+                attributes = dict(found)
+                shape = shapes.get(shape_text) or _new_shape(shape_text)
+                # A bad shape, a repeated key or a stray character ("" key) → precise path.
+                if shape is not None and len(attributes) == len(found) and "" not in attributes:
+                    literal = parameter_number = None
+                    operands: list[str] = []
+                    ok = True
+                    if opcode == "constant":
+                        literal = inside
+                        ok = inside.count("{") == inside.count("}")
+                    elif opcode == "parameter":
+                        ok = inside.isdigit()
+                        parameter_number = int(inside) if ok else None
+                        if ok:
+                            params.append(parameter_number)
+                    elif inside:
+                        # Operands with inline shapes take the precise path; bare names are
+                        # checked when the computation is complete (all must be defined).
+                        ok = "[" not in inside
+                        if ok:
+                            operands = inside.replace("%", "").replace(" ", "").split(",")
+                    if ok:
+                        inst = Instruction(
+                            name, opcode, shape, operands, attributes, (), literal,
+                            parameter_number, root is not None, pos, table,
+                        )
+                        append(inst)
+                        use(operands)
+                        if root is not None:
+                            roots.append(inst)
+                        if not no_calls(attributes):
+                            self.callers.append(inst)
+                        continue
+            stripped = text.strip()
+            if stripped == "}":
+                break
+            if not stripped or stripped.startswith("//"):
+                continue
+            if _COMPUTATION_RE.match(text):
                 raise self.src.error(
-                    f"duplicate instruction name {inst.name!r} in computation {comp_name!r}",
-                    inst.line, text.find(inst.name) + 1,
+                    f"expected '}}' closing computation {comp_name!r} before the next header", pos, 1
                 )
-            by_name[inst.name] = inst
-            instructions.append(inst)
+            self.pos = pos - 1
+            text = self._statement()
+            inst = _build(_parse_slow(text, self.src, pos), text, self.src, pos, table)
+            pos = self.pos
+            append(inst)
+            use(inst.operands)
+            if inst.is_root:
+                roots.append(inst)
+            if inst.parameter_number is not None:
+                params.append(inst.parameter_number)
+            if not no_calls(inst.attributes):
+                self.callers.append(inst)
         self.pos = pos
         if not instructions:
             raise self.src.error(f"computation {comp_name!r} has no instructions", line_no, 1)
-        comp = Computation(comp_name, instructions, m.group(1) is not None, m.group(3) or "", line_no, by_name)
-        _check_computation(comp, self.src, lines)
+        by_name = {i.name: i for i in instructions}
+        comp = Computation(
+            comp_name, instructions, header.group(1) is not None, header.group(3) or "", line_no, by_name
+        )
+        _check_computation(comp, self.src, used, roots, params)
         return comp
 
     def _statement(self) -> str:
-        """The statement starting at the current line, joined with following lines while
-        its brackets are open (multi-line literals); advances past it."""
-        start = self.pos
-        text = self.lines[start]
-        self.pos += 1
-        while _open_depth(text) > 0 and self.pos < len(self.lines):
-            nxt = self.lines[self.pos]
-            if nxt.strip() == "}" or _COMPUTATION_RE.match(nxt):
-                break
-            text += "\n" + nxt
-            self.pos += 1
+        """The statement at the current line (see `_join_statement`); advances past it."""
+        text, self.pos = _join_statement(self.lines, self.pos)
         return text
+
+
+def _join_statement(lines: list[str], start: int) -> tuple[str, int]:
+    """The statement starting at `lines[start]`, joined with following lines while its
+    brackets are open (multi-line literals), and the index of the line after it."""
+    text = lines[start]
+    pos = start + 1
+    while _open_depth(text) > 0 and pos < len(lines):
+        nxt = lines[pos]
+        if nxt.strip() == "}" or _COMPUTATION_RE.match(nxt):
+            break
+        text += "\n" + nxt
+        pos += 1
+    return text, pos
 
 
 def _open_depth(text: str) -> int:
@@ -310,40 +361,12 @@ def _open_depth(text: str) -> int:
     return depth
 
 
-def _fast_instruction(text: str, line: int, table: StackFrameTable) -> Instruction | None:
-    """The instruction on a well-formed line with bare operand names, in a few C-level
-    regex calls; None sends the line to the precise scanner."""
-    m = _INSTRUCTION_RE.match(text)
-    if m is None:
+def _new_shape(text: str) -> Shape | None:
+    try:
+        shape = _SHAPES[text] = parse_shape(text)
+    except ShapeError:
         return None
-    root, name, shape_text, opcode, inside = m.groups()
-    attributes: dict[str, str] = {}
-    for key, value, junk in _ATTRIBUTES_RE.findall(text, m.end()):
-        if junk or key in attributes:
-            return None
-        attributes[key] = value
-    shape = _SHAPES.get(shape_text)
-    if shape is None:
-        try:
-            shape = _SHAPES[shape_text] = parse_shape(shape_text)
-        except ShapeError:
-            return None
-    literal = parameter_number = None
-    operands: list[str] = []
-    if opcode == "constant":
-        literal = inside
-    elif opcode == "parameter":
-        if not inside.isdigit():
-            return None
-        parameter_number = int(inside)
-    elif inside:
-        if _BARE_OPERANDS_RE.fullmatch(inside) is None:
-            return None
-        operands = _OPERAND_NAME_RE.findall(inside)
-    return Instruction(
-        name, opcode, shape, operands, attributes, [], literal, parameter_number,
-        root is not None, line, table,
-    )
+    return shape
 
 
 def _blank_comments(text: str) -> str:
@@ -540,7 +563,7 @@ def _build(p: _Parsed, text: str, src: _Source, line: int, table: StackFrameTabl
         attributes[key] = value
     return Instruction(
         p.name, p.opcode, shape, operands, attributes,
-        operand_shapes if any(s is not None for s in operand_shapes) else [],
+        tuple(operand_shapes) if any(s is not None for s in operand_shapes) else (),
         literal, parameter_number, p.is_root, line, table,
     )
 
@@ -548,42 +571,60 @@ def _build(p: _Parsed, text: str, src: _Source, line: int, table: StackFrameTabl
 # -- whole-computation checks ----------------------------------------------------------------
 
 
-def _check_computation(comp: Computation, src: _Source, lines: list[str]) -> None:
+def _check_computation(
+    comp: Computation, src: _Source, used: list[str], roots: list[Instruction], params: list[int]
+) -> None:
+    """Unique names, defined operands (`used`), one ROOT, parameters numbered 0..n-1."""
+    insts = comp.instructions
     names = comp._by_name
-    roots = [i for i in comp.instructions if i.is_root]
-    if len(roots) > 1:
-        raise src.error(f"computation {comp.name!r} has two ROOT instructions", roots[1].line, 1)
-    numbers: dict[int, Instruction] = {}
-    for inst in comp.instructions:
-        for operand in inst.operands:
-            if operand not in names:
-                text = lines[inst.line - 1]
-                col = text.find(operand, text.find(f" {inst.opcode}(") + len(inst.opcode) + 2) + 1
+    if len(names) != len(insts):
+        seen: set[str] = set()
+        for inst in insts:
+            if inst.name in seen:
+                col = src.lines[inst.line - 1].find(inst.name) + 1
                 raise src.error(
-                    f"operand {operand!r} of {inst.name!r} is not defined in computation {comp.name!r}",
+                    f"duplicate instruction name {inst.name!r} in computation {comp.name!r}",
                     inst.line, max(col, 1),
                 )
-        if inst.parameter_number is not None:
-            if inst.parameter_number in numbers:
+            seen.add(inst.name)
+    if not names.keys() >= set(used):
+        for index, inst in enumerate(insts):
+            if all(operand in names for operand in inst.operands):
+                continue
+            # The fast path splits operand lists without validating names: rescan the line
+            # precisely, which either names what is malformed or gives the real operands.
+            text = _join_statement(src.lines, inst.line - 1)[0]
+            parsed = _parse_slow(text, src, inst.line)
+            names_found = [n for _, n, _ in _split_operands(parsed.operands, parsed.operands_at, text, src, inst.line)]
+            for operand in names_found:
+                if operand not in names:
+                    raise src.error_at(
+                        f"operand {operand!r} of {inst.name!r} is not defined in computation {comp.name!r}",
+                        inst.line, text, text.find(operand, parsed.operands_at),
+                    )
+            inst.operands = names_found
+    if len(roots) > 1:
+        raise src.error(f"computation {comp.name!r} has two ROOT instructions", roots[1].line, 1)
+    if params and sorted(params) != list(range(len(params))):
+        for expected, number in enumerate(sorted(params)):
+            if number < expected:
+                twice = [i for i in insts if i.parameter_number == number][1]
                 raise src.error(
-                    f"parameter({inst.parameter_number}) appears twice in computation {comp.name!r}",
-                    inst.line, 1,
+                    f"parameter({number}) appears twice in computation {comp.name!r}", twice.line, 1
                 )
-            numbers[inst.parameter_number] = inst
-    if sorted(numbers) != list(range(len(numbers))):
-        missing = min(set(range(len(numbers))) - set(numbers))
-        raise src.error(f"computation {comp.name!r} has no parameter({missing})", comp.line, 1)
+            if number > expected:
+                raise src.error(f"computation {comp.name!r} has no parameter({expected})", comp.line, 1)
 
 
-def _check_calls(module: Module, src: _Source) -> None:
-    for comp in module.computations.values():
-        for inst in comp.instructions:
-            for key in inst.attributes.keys() & _CALL_KEYS:
-                for callee in split_names(inst.attributes[key]):
-                    if callee not in module.computations:
-                        text = src.lines[inst.line - 1]
-                        col = text.find(f"{key}=") + 1
-                        raise src.error(
-                            f"{key}={callee} of {inst.name!r} names no computation in the module",
-                            inst.line, max(col, 1),
-                        )
+def _check_calls(module: Module, callers: list[Instruction], src: _Source) -> None:
+    """Every computation named by `calls=`, `to_apply=`, ... exists."""
+    for inst in callers:
+        for key in inst.attributes.keys() & _CALL_KEYS:
+            for callee in split_names(inst.attributes[key]):
+                if callee not in module.computations:
+                    text = src.lines[inst.line - 1]
+                    col = text.find(f"{key}=") + 1
+                    raise src.error(
+                        f"{key}={callee} of {inst.name!r} names no computation in the module",
+                        inst.line, max(col, 1),
+                    )
