@@ -248,7 +248,7 @@ class Chunked(AttentionKernel):
     name = "chunked"
     platforms = ("cpu", "tpu", "cuda")
 
-    def __init__(self, block_q: int = 1024, block_k: int = 512):
+    def __init__(self, block_q: int = 512, block_k: int = 256):
         if block_q % 8 or block_k % 8 or block_q <= 0 or block_k <= 0:
             raise ValueError(f"block sizes must be positive multiples of 8, got "
                              f"block_q={block_q}, block_k={block_k}")

@@ -13,7 +13,8 @@ divisible by its blocks, head dims ≤ 128 or multiples of 128, an optional dens
   - boolean masks: folded into the dense bias `ab` as a large negative value;
   - scale: applied to q, since upstream scales the bias together with q·kᵀ;
   - rows with no visible key: set to zero after the kernel (upstream would average them).
-Gradients (dq, dk, dv, dbias) come from upstream's custom VJP.
+Gradients (dq, dk, dv, dbias) come from upstream's custom VJP; its backward `pallas_call`s,
+which upstream builds without a `cost_estimate`, get one (see `_costed`).
 
 Off a TPU it runs only in Pallas' TPU interpret mode
 (`with jax.experimental.pallas.tpu.force_tpu_interpret_mode(True):`), slowly.
@@ -21,10 +22,15 @@ Off a TPU it runs only in Pallas' TPU interpret mode
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
+from hlotool.kernels._costed import with_backward_costs
 from hlotool.kernels._upstream import probe
 from hlotool.kernels.base import (
     AttentionKernel,
@@ -34,6 +40,7 @@ from hlotool.kernels.base import (
     Support,
     flash_cost,
     row_has_key,
+    visible_fraction,
     zero_invalid_keys,
 )
 from hlotool.site import AttentionSite
@@ -61,6 +68,18 @@ def padded_head_dim(d: int, dv: int) -> int:
     """One head dim for q, k and v that upstream accepts: ≤ 128, or a multiple of 128."""
     d = max(d, dv)
     return d if d <= _LANES else _round_up(d, _LANES)
+
+
+def _backward_estimate(scores: float, d: int, eqn) -> pl.CostEstimate:
+    """Upstream's backward kernels: dK/dV recomputes S and forms dV, dP, dK (4 matmuls);
+    dQ recomputes S and forms dP, dQ (3); each recomputes exp(S) once. Bytes: operands and
+    results once, as upstream counts its forward."""
+    kernel = getattr(eqn.params["jaxpr"].debug_info, "func_name", "")
+    n_matmuls = 3 if "dq" in kernel else 4
+    nbytes = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize
+                 for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "shape"))
+    return pl.CostEstimate(flops=int(2 * n_matmuls * scores * d),
+                           transcendentals=int(scores), bytes_accessed=int(nbytes))
 
 
 class PallasTpuFlash(AttentionKernel):
@@ -138,8 +157,13 @@ class PallasTpuFlash(AttentionKernel):
             block_q_major_dkv=bq, block_k_major_dkv=bk, block_k_dkv=bk, block_q_dkv=bq,
             block_k_major_dq=bk, block_k_dq=bk, block_q_dq=bq,
         )
-        out = fa.flash_attention(q, k, v, ab, segment_ids, causal=call.causal,
-                                 sm_scale=1.0, block_sizes=blocks)
+        def flash(q, k, v, ab, segment_ids):
+            return fa.flash_attention(q, k, v, ab, segment_ids, causal=call.causal,
+                                      sm_scale=1.0, block_sizes=blocks)
+
+        scores = b * hq * lq_p * lk_p * visible_fraction(lq_p, lk_p, bq, bk, call.causal)
+        out = with_backward_costs(flash, functools.partial(_backward_estimate, scores, d_p))(
+            q, k, v, ab, aux=segment_ids)
         out = jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)  # [B, Lq, Hq, Dv]
         if has_key is not None:
             out = jnp.where(jnp.swapaxes(has_key, 1, 2), out, 0)
