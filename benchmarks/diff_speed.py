@@ -1,7 +1,7 @@
 """`hlotool diff` on a 24-layer decoder: hlotool's own time beside jax's.
 
     JAX_PLATFORMS=cpu python benchmarks/diff_speed.py [--layers 24] [--stage hlo]
-        [--target cpu] [--seq-len 128]
+        [--target cpu] [--seq-len 512]
 
 Runs examples/causal_decoder.py (--layers, --seq-len, no training step) under capture,
 then does what `hlotool diff SCRIPT:forward -o report.html` does, timing each step:
@@ -48,7 +48,7 @@ class Clock:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--stage", choices=("hlo", "optimized"), default="hlo")
     parser.add_argument("--target", default="cpu")
     args = parser.parse_args()

@@ -273,7 +273,7 @@ table{border-collapse:collapse}
 td,th{border:1px solid #ccc;padding:4px 8px;font-size:13px;text-align:left}
 .pair{display:flex;gap:16px;align-items:flex-start}
 .pair>div{flex:1;overflow:auto;border:1px solid #ddd;padding:6px}
-.note{color:#666;font-size:12px}
+.pair svg{max-width:100%;height:auto}.note{color:#666;font-size:12px}
 pre{font-size:11px;background:#fafafa;padding:8px;overflow:auto}
 .d-{color:#b00}.d\\+{color:#070}.d\\@{color:#06c}
 .legend span{display:inline-block;padding:2px 6px;margin-right:4px;border:1px solid #999;

@@ -162,7 +162,19 @@ class _Matcher:
             more = self._top_down(worklist) + self._bottom_up(worklist)
             worklist = more
         self._shared_callees()
+        self._equal_constants()
         return self.fwd
+
+    def _equal_constants(self) -> None:
+        """An unmatched value built from constants alone that equals one on the other side
+        (same fingerprint) is kept, many-to-one: re-tracing a site natively repeats the
+        literals jax had shared, which changes the text but no value."""
+        for one, other, ours in ((self.a, self.b, self.fwd), (self.b, self.a, self.back)):
+            by_fingerprint = {other.fingerprint[n]: n for n in other.constant}
+            for n in sorted(one.constant, key=one.order.__getitem__):
+                twin = by_fingerprint.get(one.fingerprint[n])
+                if n not in ours and twin is not None:
+                    ours[n] = twin
 
     def _shared_callees(self) -> None:
         """Kept callers whose called computations are identical but were printed once on one

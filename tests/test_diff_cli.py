@@ -15,7 +15,7 @@ from hlotool.cli import cli
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None,
                                reason="graphviz `dot` not installed (apt-get install graphviz)")
 
-# L = 128 reaches flash_jit's MIN_KV_LEN on every platform, so the site is rewritten.
+# L = 512 reaches flash_jit's MIN_KV_LEN on every platform, so the site is rewritten.
 MODEL = """\
 import jax, jax.numpy as jnp
 
@@ -28,7 +28,8 @@ def attention(q, k, v):
 def mlp(x, w):
     return jnp.tanh(x @ w)
 
-x = jnp.ones((1, 128, 2, 16))
+import sys
+x = jnp.ones((1, int(sys.argv[1]) if len(sys.argv) > 1 else 512, 2, 16))
 attention(x, x, x)
 mlp(jnp.ones((4, 8)), jnp.ones((8, 8)))
 """
@@ -55,7 +56,7 @@ def test_text_summary(model):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].startswith("attention (hlo, cpu): −")
-    assert re.fullmatch(r"  site 1: attention q\[1×128×2×16\] float32, mask none at "
+    assert re.fullmatch(r"  site 1: attention q\[1×512×2×16\] float32, mask none at "
                         r".*model\.py:5: −\d+ instructions, \+\d+, "
                         r"L×L buffers \d+ → \d+", lines[1])
     assert "skipped mlp: no attention site" in result.output
@@ -74,6 +75,14 @@ def test_nothing_to_diff(tmp_path):
     result = run("diff", str(path))
     assert result.exit_code == 0
     assert result.stdout.strip() == f"nothing to diff in {path}: <lambda>: no attention site"
+
+
+def test_site_left_native_is_no_diff(model):
+    # At L = 128 flash_jit keeps XLA's native attention on CPU: the diff says so and why.
+    result = run("diff", f"{model}:attention", "--", "128")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(
+        f"nothing to diff in {model}: attention: flash_jit left every site native (")
 
 
 def test_format_needs_a_directory(model):
