@@ -38,11 +38,12 @@ from hlotool.site import AttentionSite
 # Platforms a decision is made for; "cpu" stands for every platform without its own kernel.
 PLATFORMS = ("cpu", "tpu", "cuda")
 
-# Shortest key length at which `auto` swaps in a kernel, per platform. CPU: measured on the
-# 2-core dev machine (B=1, H=8, D=64, f32, jitted): chunked vs native 0.27/0.29 ms at L=64,
-# 0.75/1.47 ms at 128, 33.6/70.0 ms at 512, 404/905 ms at 2048 (causal). TPU/GPU: one
-# 128-key block, below which a tiled kernel only pads; a placeholder until cost models decide.
-MIN_KV_LEN = {"cpu": 128, "tpu": 128, "cuda": 128}
+# Shortest key length at which `auto` swaps in a kernel, per platform. CPU: measured with
+# benchmarks/flash_jit_bench.py on the 2-core dev machine (2-layer causal decoder, B=1, H=8,
+# D=64, f32): flash_jit/jax.jit time 0.70-1.09 at L=128, 0.93-1.12 at 256 (noise of a
+# shared machine: no gain), 0.57 at 512, 0.30 at 1024. TPU/GPU: one 128-key block, below
+# which a tiled kernel only pads; a placeholder until cost models decide.
+MIN_KV_LEN = {"cpu": 512, "tpu": 128, "cuda": 128}
 
 # Relative tolerance (max |a - b| / max |b|) for validation, by dtype of the compared output.
 TOLERANCE = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}

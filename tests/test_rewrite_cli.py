@@ -42,7 +42,7 @@ def write_script(tmp_path) -> str:
 
 
 def test_rewrite_prints_each_site_decision(tmp_path):
-    result = run("rewrite", write_script(tmp_path), "--", "128")
+    result = run("rewrite", write_script(tmp_path), "--", "512")
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "attention: 1 site(s), 1 rewritten" in out
@@ -59,13 +59,13 @@ def test_rewrite_json_short_keys_stay_native(tmp_path):
     (site,) = function["sites"]
     assert (doc["version"], function["function"], site["rewritten"]) == (1, "attention", False)
     assert site["kernels"] == {"cpu": None, "tpu": None, "cuda": None}
-    assert "key length 64 < 128" in site["reason"] and site["site"]["kv_len"] == 64
+    assert "key length 64 < 512" in site["reason"] and site["site"]["kv_len"] == 64
 
 
 def test_rewrite_writes_programs_for_tpu(tmp_path):
     out = tmp_path / "out"
     result = run("rewrite", write_script(tmp_path) + ":attention", "--stage", "stablehlo",
-                 "--target", "tpu-v5e", "-o", str(out), "--", "128")
+                 "--target", "tpu-v5e", "-o", str(out), "--", "512")
     assert result.exit_code == 0, result.output
     assert os.listdir(out) == ["001_jit_attention.flash.tpu-v5e.stablehlo.mlir"]
     text = (out / "001_jit_attention.flash.tpu-v5e.stablehlo.mlir").read_text()
@@ -73,10 +73,10 @@ def test_rewrite_writes_programs_for_tpu(tmp_path):
 
 
 def test_rewrite_bad_options(tmp_path):
-    result = run("rewrite", write_script(tmp_path), "--stage", "hlo", "--", "128")
+    result = run("rewrite", write_script(tmp_path), "--stage", "hlo", "--", "512")
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert result.stderr.strip().splitlines()[-1] == (
         "hlotool: error: --stage and -o go together: name both to write rewritten programs")
-    result = run("rewrite", write_script(tmp_path), "--kernel", "flash9", "--", "128")
+    result = run("rewrite", write_script(tmp_path), "--kernel", "flash9", "--", "512")
     assert result.exit_code != 0 and "no kernel named 'flash9'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
