@@ -354,8 +354,10 @@ def html_report(functions: Sequence[FunctionDiff], hops: int = DEFAULT_HOPS,
         for si, change in enumerate(f.changes):
             anchor, what = f"f{fi}-s{si}", html.escape(_site_title(change))
             line = html.escape(change_line(f, change))
+            number = str(si + 1) if change.site is not None else "–"
             table.append(
-                f"<tr><td>{html.escape(f.function)}</td><td>{f.stage}, {f.target}</td>"
+                f"<tr><td>{number}</td><td>{html.escape(f.function)}</td>"
+                f"<td>{f.stage}, {f.target}</td>"
                 f"<td><a href=\"#{anchor}\">{what}</a></td><td>{line}</td></tr>")
             sections.append(
                 f"<section id=\"{anchor}\"><h2>{html.escape(f.function)}: {what}</h2>"
@@ -370,7 +372,7 @@ def html_report(functions: Sequence[FunctionDiff], hops: int = DEFAULT_HOPS,
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>"
         f"<h1>{html.escape(title)}</h1><p>stage: {html.escape(stages)}</p>{_legend()}"
-        "<table><tr><th>function</th><th>stage</th><th>site</th><th>change</th></tr>"
+        "<table><tr><th>#</th><th>function</th><th>stage</th><th>site</th><th>change</th></tr>"
         f"{''.join(table)}</table>{''.join(sections)}</body></html>\n"
     )
 
