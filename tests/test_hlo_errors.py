@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hlotool.errors import HlotoolError, HloParseError
+from hlotool.errors import HloParseError, HlotoolError
 from hlotool.hlo import parse_module
 
 GOOD = """HloModule m
@@ -47,87 +47,121 @@ CASES = [
     (
         "truncated instruction",
         GOOD.replace("add(%p, %q), dimensions={0}\n}\n", "add(%p, "),
-        "unbalanced '(': no matching ')'", "add(%p, ", 3,
+        "unbalanced '(': no matching ')'",
+        "add(%p, ",
+        3,
     ),
     (
         "unknown token after the attributes",
         GOOD.replace("dimensions={0}", "dimensions={0} @@"),
-        "expected ',' before the next attribute, found '@@'", "@@", 0,
+        "expected ',' before the next attribute, found '@@'",
+        "@@",
+        0,
     ),
     (
         "unknown token in the operands",
         GOOD.replace("negate(%p)", "negate(%p ?)"),
-        "expected an operand name, found '%p ?'", "%p ?", 0,
+        "expected an operand name, found '%p ?'",
+        "%p ?",
+        0,
     ),
     (
         "unclosed brace",
         GOOD.replace("dimensions={0}", "dimensions={0"),
-        "unbalanced '{': no matching '}'", "dimensions={", 11,
+        "unbalanced '{': no matching '}'",
+        "dimensions={",
+        11,
     ),
     (
         "stray closing brace",
         GOOD.replace("dimensions={0}", "dimensions={0}}"),
-        "unbalanced '}'", "{0}}", 3,
+        "unbalanced '}'",
+        "{0}}",
+        3,
     ),
     (
         "mismatched bracket",
         GOOD.replace('metadata={op_name="x"}', 'metadata={op_name="x")'),
-        "')' does not match '{'", '"x")', 3,
+        "')' does not match '{'",
+        '"x")',
+        3,
     ),
     (
         "operand referencing an undefined name",
         GOOD.replace("add(%p, %q)", "add(%p, %nope)"),
-        "operand 'nope' of 'r' is not defined in computation 'main'", "nope", 0,
+        "operand 'nope' of 'r' is not defined in computation 'main'",
+        "nope",
+        0,
     ),
     (
         "unknown element type",
         GOOD.replace("f32[2]{0} negate", "f33[2]{0} negate"),
-        "unknown element type 'f33'", "f33", 0,
+        "unknown element type 'f33'",
+        "f33",
+        0,
     ),
     (
         "missing '='",
         GOOD.replace("%q = f32", "%q f32"),
-        "expected '=' after instruction name 'q'", "%q f32", 3,
+        "expected '=' after instruction name 'q'",
+        "%q f32",
+        3,
     ),
     (
         "opcode without parentheses",
         GOOD.replace("negate(%p)", "negate %p"),
-        "expected '(' after opcode 'negate'", "negate %p", 6,
+        "expected '(' after opcode 'negate'",
+        "negate %p",
+        6,
     ),
     (
         "unterminated string",
         GOOD.replace('op_name="x"', 'op_name="x'),
-        "unterminated string", '"x', 0,
+        "unterminated string",
+        '"x',
+        0,
     ),
     (
         "computation not closed before the next",
         GOOD.replace("}\n\nENTRY", "\nENTRY"),
-        "expected '}' closing computation 'add' before the next header", "ENTRY", 0,
+        "expected '}' closing computation 'add' before the next header",
+        "ENTRY",
+        0,
     ),
     (
         "call of a computation that does not exist",
         GOOD.replace("negate(%p)", "map(%p), to_apply=%nowhere"),
-        "to_apply=nowhere of 'q' names no computation", "to_apply", 0,
+        "to_apply=nowhere of 'q' names no computation",
+        "to_apply",
+        0,
     ),
     (
         "duplicate instruction name",
         GOOD.replace("%q = f32[2]{0} negate", "%p = f32[2]{0} negate"),
-        "duplicate instruction name 'p'", "p = f32[2]{0} negate", 0,
+        "duplicate instruction name 'p'",
+        "p = f32[2]{0} negate",
+        0,
     ),
     (
         "missing ENTRY",
         GOOD.replace("ENTRY ", ""),
-        "module has no ENTRY computation", "%main", 0,
+        "module has no ENTRY computation",
+        "%main",
+        0,
     ),
     (
         "missing header",
         GOOD.replace("HloModule m", "HloModul m"),
-        "expected 'HloModule <name>' header", "HloModul", 0,
+        "expected 'HloModule <name>' header",
+        "HloModul",
+        0,
     ),
 ]
 
 
-@pytest.mark.parametrize(("case", "text", "message", "needle", "skip"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("case", "text", "message", "needle", "skip"), CASES, ids=[c[0] for c in CASES]
+)
 def test_malformed_text(case: str, text: str, message: str, needle: str, skip: int):
     assert text != GOOD, case
     error = parse_error(text)
@@ -143,7 +177,8 @@ def test_error_is_a_hlotool_error_with_a_source_name():
 def test_multi_line_literal_errors_name_the_right_line():
     text = GOOD.replace(
         '  %q = f32[2]{0} negate(%p), metadata={op_name="x"}',
-        "  %c = f32[2,2]{1,0} constant({\n    { 1, 2 },\n    { 3, 4 ]\n  })\n  %q = f32[2]{0} negate(%p)",
+        "  %c = f32[2,2]{1,0} constant({\n    { 1, 2 },\n    { 3, 4 ]\n  })\n"
+        "  %q = f32[2]{0} negate(%p)",
     )
     error = parse_error(text)
     assert "']' does not match '{'" in str(error)
@@ -160,8 +195,10 @@ def test_empty_text_and_missing_parameter():
 def test_dangling_stack_frame_id_is_reported_when_resolved():
     text = GOOD.replace('op_name="x"', 'op_name="x" stack_frame_id=9')
     q = parse_module(text).entry.get("q")
-    with pytest.raises(HloParseError, match="stack_frame_id=9, which is not in StackFrames") as info:
-        q.source
+    with pytest.raises(
+        HloParseError, match="stack_frame_id=9, which is not in StackFrames"
+    ) as info:
+        _ = q.source
     assert info.value.line == position(text, "stack_frame_id=9")[0]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hlotool.errors import HlotoolError
-from hlotool.hlo import Module, parse_module, parse_shape, print_module, to_graph
+from hlotool.hlo import Module, graphs_equal, parse_module, parse_shape, print_module, to_graph
 from hlotool.hlo.graph import node_id
 
 FIXTURES = Path(__file__).parent / "data" / "hlo"
@@ -35,10 +35,12 @@ def test_entry_instruction_count_matches_the_text(path: Path):
     lines = path.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
     end = lines.index("}", start)
-    expected = sum(1 for line in lines[start + 1:end] if " = " in line)
+    expected = sum(1 for line in lines[start + 1 : end] if " = " in line)
     module = parse_module(path.read_text())
     assert len(module.entry.instructions) == expected
-    assert module.entry.root.name == re.search(r"ROOT %?(\S+) =", "\n".join(lines[start:end])).group(1)
+    assert module.entry.root.name == re.search(
+        r"ROOT %?(\S+) =", "\n".join(lines[start:end])
+    ).group(1)
 
 
 def test_entry_parameters_and_signature():
@@ -154,13 +156,15 @@ HAND_WRITTEN = r"""HloModule hand, entry_computation_layout={(f32[2]{0})->f32[2]
 }
 
 ENTRY %main (p: f32[2]) -> f32[2] {
-  %p = f32[2]{0} parameter(0), metadata={op_name="jit(f)/a \"quoted\", {braces} (parens)" source_file="/x y.py" source_line=7}
+  %p = f32[2]{0} parameter(0), metadata={op_name="jit(f)/a \"quoted\", {braces} (parens)"
+    source_file="/x y.py" source_line=7}
   %table = f32[2,2]{1,0} constant({
     { 1, 2 },
     { 3, 4 }
   })
   %tok = token[] after-all()
-  %cc = (f32[2]{0}, s32[]) custom-call(f32[2]{0} %p, token[] %tok), custom_call_target="my\"target", backend_config="{\"tile\": [8, 128]}", api_version=API_VERSION_ORIGINAL
+  %cc = (f32[2]{0}, s32[]) custom-call(f32[2]{0} %p,
+    token[] %tok), custom_call_target="my\"target", backend_config="{\"tile\": [8, 128]}"
   %opaque = f32[2]{0} custom-call(%p), custom_call_target="t", backend_config="not json"
   %gte = f32[2]{0} get-tuple-element(%cc), index=0
   %zero = f32[] constant(0)
@@ -174,6 +178,7 @@ ENTRY %main (p: f32[2]) -> f32[2] {
 
 
 def test_hand_written_module_reads_everything():
+    # Also: statements whose brackets stay open continue on the next line.
     module = parse_module(HAND_WRITTEN)
     entry = module.entry
     p = entry.get("p")
@@ -212,14 +217,19 @@ def test_graph_nodes_edges_and_call_links():
         (d["index"], u) for u, _, d in graph.in_edges(ynn, data=True) if d["kind"] == "operand"
     )
     assert operands == [(0, "main.5/copy_bitcast_fusion.2"), (1, "main.5/copy_bitcast_fusion.1")]
-    called = [(u, d["computation"]) for u, _, d in graph.in_edges(ynn, data=True) if d["kind"] == "called"]
+    called = [
+        (u, d["computation"]) for u, _, d in graph.in_edges(ynn, data=True) if d["kind"] == "called"
+    ]
     assert called == [("fused_computation.1/dot.5", "fused_computation.1")]
     entry_only = to_graph(module, include_called=False)
     assert entry_only.number_of_nodes() == len(module.entry)
     assert all(d["kind"] == "operand" for *_, d in entry_only.edges(data=True))
     # A computation's graph pulls in what it calls, transitively.
     fused = to_graph(module.computations["fused_computation.4"])
-    assert {d["computation"] for _, d in fused.nodes(data=True)} == {"fused_computation.4", "region_1.4"}
+    assert {d["computation"] for _, d in fused.nodes(data=True)} == {
+        "fused_computation.4",
+        "region_1.4",
+    }
 
 
 def _count_without_calls(module: Module, name: str) -> int:
@@ -273,3 +283,16 @@ def test_inline_calls_wires_arguments_and_results():
     assert flat.get(tril_root.operands[1]).name == "broadcast_in_dim.9"  # tril's Arg_0
     assert flat.get("reduce_max.7").operands[0] == "select_n.3"
     assert flat.get("sub.7").operands == ["select_n.3", "sub.6"]
+
+
+def test_crlf_line_endings_and_non_ascii_paths():
+    text = (FIXTURES / "attention.cpu_pre.hlo").read_text()
+    tables = text.replace('/tests/data/hlo/generate.py"', '/tests/données/生成.py"')
+    assert tables != text
+    crlf = tables.replace("\n", "\r\n")
+    module, reference = parse_module(crlf), parse_module(text)
+    assert graphs_equal(to_graph(module), to_graph(reference))
+    dot = next(i for i in module.entry.instructions if i.opcode == "dot")  # the q·kᵀ one
+    prefix = reference.entry.get(dot.name).source.rsplit("/tests/", 1)[0]
+    assert dot.source == f"{prefix}/tests/données/生成.py:{marked_line('qk')}"
+    assert parse_module(print_module(module)).entry.get(dot.name).source == dot.source

@@ -55,8 +55,17 @@ def test_precise_scanner_agrees_with_fast_path(path: Path, monkeypatch: pytest.M
 def test_graphs_equal_sees_a_changed_attribute_shape_and_edge():
     text = (FIXTURES / "attention.cpu_pre.hlo").read_text()
     base = to_graph(parse_module(text))
-    assert not graphs_equal(base, to_graph(parse_module(text.replace("dimensions={3}", "dimensions={2}", 1))))
-    assert not graphs_equal(base, to_graph(parse_module(text.replace("f32[1,2,16]{2,1,0} reduce(", "f32[1,2,16]{0,1,2} reduce(", 1))))
+    assert not graphs_equal(
+        base, to_graph(parse_module(text.replace("dimensions={3}", "dimensions={2}", 1)))
+    )
+    assert not graphs_equal(
+        base,
+        to_graph(
+            parse_module(
+                text.replace("f32[1,2,16]{2,1,0} reduce(", "f32[1,2,16]{0,1,2} reduce(", 1)
+            )
+        ),
+    )
     swapped = text.replace("subtract(jit__where_.1, sub.6)", "subtract(sub.6, jit__where_.1)")
     assert swapped != text
     assert not graphs_equal(base, to_graph(parse_module(swapped)))

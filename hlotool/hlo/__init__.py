@@ -1,8 +1,8 @@
 """HLO IR: parse XLA's HLO text, print it back, and view it as a networkx graph.
 
-    module = parse_module(compiled.as_text())
-    for inst in module.entry.instructions: ...
-    graph = to_graph(module.inline_calls())
+module = parse_module(compiled.as_text())
+for inst in module.entry.instructions: ...
+graph = to_graph(module.inline_calls())
 """
 
 from hlotool.hlo.graph import graphs_equal, node_id, to_graph
@@ -12,6 +12,16 @@ from hlotool.hlo.printer import print_module
 from hlotool.hlo.shape import Shape, parse_shape
 
 __all__ = [
-    "Computation", "Frame", "Instruction", "Module", "Shape", "StackFrameTable",
-    "graphs_equal", "node_id", "parse_module", "parse_shape", "print_module", "to_graph",
+    "Computation",
+    "Frame",
+    "Instruction",
+    "Module",
+    "Shape",
+    "StackFrameTable",
+    "graphs_equal",
+    "node_id",
+    "parse_module",
+    "parse_shape",
+    "print_module",
+    "to_graph",
 ]

@@ -51,8 +51,11 @@ def to_graph(obj: Module | Computation, *, include_called: bool = True) -> nx.Mu
         for inst in comp.instructions:
             graph.add_node(
                 node_id(comp.name, inst.name),
-                opcode=inst.opcode, shape=inst.shape, instruction=inst,
-                computation=comp.name, is_root=inst is root,
+                opcode=inst.opcode,
+                shape=inst.shape,
+                instruction=inst,
+                computation=comp.name,
+                is_root=inst is root,
             )
     for comp in comps:
         for inst in comp.instructions:
@@ -64,8 +67,11 @@ def to_graph(obj: Module | Computation, *, include_called: bool = True) -> nx.Mu
                     if callee in included:
                         callee_root = module.computations[callee].root.name
                         graph.add_edge(
-                            node_id(callee, callee_root), user,
-                            kind="called", index=None, computation=callee,
+                            node_id(callee, callee_root),
+                            user,
+                            kind="called",
+                            index=None,
+                            computation=callee,
                         )
     return graph
 
@@ -73,8 +79,13 @@ def to_graph(obj: Module | Computation, *, include_called: bool = True) -> nx.Mu
 def _node_key(data: dict) -> tuple:
     inst = data["instruction"]
     return (
-        data["opcode"], str(data["shape"]), data["is_root"], inst.literal, inst.parameter_number,
-        tuple(sorted(inst.attributes.items())), tuple(str(s) for s in inst.operand_shapes),
+        data["opcode"],
+        str(data["shape"]),
+        data["is_root"],
+        inst.literal,
+        inst.parameter_number,
+        tuple(sorted(inst.attributes.items())),
+        tuple(str(s) for s in inst.operand_shapes),
     )
 
 
@@ -88,7 +99,10 @@ def graphs_equal(a: nx.MultiDiGraph, b: nx.MultiDiGraph) -> bool:
 
     def edges(g: nx.MultiDiGraph) -> list[tuple]:
         return sorted(
-            ((u, v, d["kind"], -1 if d["index"] is None else d["index"]) for u, v, d in g.edges(data=True))
+            (
+                (u, v, d["kind"], -1 if d["index"] is None else d["index"])
+                for u, v, d in g.edges(data=True)
+            )
         )
 
     return edges(a) == edges(b)

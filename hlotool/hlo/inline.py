@@ -36,7 +36,9 @@ class _Inliner:
                 callee = self.module.computations[split_names(inst.attributes["to_apply"])[0]]
                 # Operands may still name calls earlier in the text; resolve them first.
                 sub_args = {
-                    p.name: local.get(inst.operands[p.parameter_number], inst.operands[p.parameter_number])
+                    p.name: local.get(
+                        inst.operands[p.parameter_number], inst.operands[p.parameter_number]
+                    )
                     for p in callee.parameters
                 }
                 local[inst.name] = self.expand(callee, sub_args, out)
@@ -64,7 +66,8 @@ def inline_calls(module: Module) -> Module:
         for callee in inst.called_computations:
             (call_targets if inst.opcode == "call" else other_targets).add(callee)
     kept = [
-        c for c in module.computations.values()
+        c
+        for c in module.computations.values()
         if c.is_entry or c.name not in call_targets or c.name in other_targets
     ]
     used = {i.name for c in kept for i in c.instructions}
@@ -75,5 +78,9 @@ def inline_calls(module: Module) -> Module:
         result = inliner.expand(comp, None, out)
         by_name = {i.name: i for i in out}
         by_name[result].is_root = True
-        computations[comp.name] = Computation(comp.name, out, comp.is_entry, comp.signature, comp.line)
-    return Module(module.name, computations, dict(module.attributes), module.stack_table, module.source_name)
+        computations[comp.name] = Computation(
+            comp.name, out, comp.is_entry, comp.signature, comp.line
+        )
+    return Module(
+        module.name, computations, dict(module.attributes), module.stack_table, module.source_name
+    )

@@ -11,19 +11,27 @@ import json
 import re
 from typing import Any, NamedTuple
 
-from hlotool.errors import HlotoolError, HloParseError
+from hlotool.errors import HloParseError, HlotoolError
 from hlotool.hlo.shape import Shape
 
 # Attributes whose value names computations the instruction runs.
 CALLED_COMPUTATION_ATTRS: tuple[str, ...] = (
-    "calls", "to_apply", "body", "condition", "branch_computations",
-    "true_computation", "false_computation", "select", "scatter", "called_computations",
+    "calls",
+    "to_apply",
+    "body",
+    "condition",
+    "branch_computations",
+    "true_computation",
+    "false_computation",
+    "select",
+    "scatter",
+    "called_computations",
 )
 
 _CALL_KEYS = frozenset(CALLED_COMPUTATION_ATTRS)
 _STRING = r'"(?:[^"\\]|\\.)*"'
-_METADATA_ITEM_RE = re.compile(r'([\w.]+)=(' + _STRING + r'|[^\s"]+)')
-_ESCAPE_RE = re.compile(rb'\\(x[0-9a-fA-F]{1,2}|[0-7]{1,3}|.)', re.DOTALL)
+_METADATA_ITEM_RE = re.compile(r"([\w.]+)=(" + _STRING + r'|[^\s"]+)')
+_ESCAPE_RE = re.compile(rb"\\(x[0-9a-fA-F]{1,2}|[0-7]{1,3}|.)", re.DOTALL)
 _LIBRARY_PATH_RE = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 _SIMPLE_ESCAPES = {b"n": b"\n", b"t": b"\t", b"r": b"\r", b'"': b'"', b"'": b"'", b"\\": b"\\"}
 
@@ -60,9 +68,7 @@ def parse_key_values(text: str) -> dict[str, str]:
     text = text.strip()
     if text.startswith("{") and text.endswith("}"):
         text = text[1:-1]
-    return {
-        k: unquote(v) if v.startswith('"') else v for k, v in _METADATA_ITEM_RE.findall(text)
-    }
+    return {k: unquote(v) if v.startswith('"') else v for k, v in _METADATA_ITEM_RE.findall(text)}
 
 
 class Frame(NamedTuple):
@@ -121,12 +127,16 @@ class StackFrameTable:
         """The first dangling reference in the tables, described; None when consistent."""
         for i, loc in self.file_locations.items():
             if loc.get("file_name_id") not in self.file_names:
-                return f"file location {i} names file {loc.get('file_name_id')}, which is not in FileNames"
+                name_id = loc.get("file_name_id")
+                return f"file location {i} names file {name_id}, which is not in FileNames"
             if "line" not in loc:
                 return f"file location {i} has no line"
         for i, f in self.stack_frames.items():
             if f.get("file_location_id") not in self.file_locations:
-                return f"stack frame {i} names file location {f.get('file_location_id')}, which is not in FileLocations"
+                loc_id = f.get("file_location_id")
+                return (
+                    f"stack frame {i} names file location {loc_id}, which is not in FileLocations"
+                )
             parent = self.parent(i)
             if parent is not None and parent not in self.stack_frames:
                 return f"stack frame {i} names parent frame {parent}, which is not in StackFrames"
@@ -160,7 +170,10 @@ class Instruction:
     def called_computations(self) -> list[str]:
         """Names of computations run by this instruction, in the order the text names them."""
         return [
-            n for key, value in self.attributes.items() if key in _CALL_KEYS for n in split_names(value)
+            n
+            for key, value in self.attributes.items()
+            if key in _CALL_KEYS
+            for n in split_names(value)
         ]
 
     @property
@@ -181,8 +194,10 @@ class Instruction:
                 return (self.stack_table or StackFrameTable()).resolve(int(frame_id))
             except (KeyError, ValueError):
                 raise HloParseError(
-                    f"instruction {self.name!r} has stack_frame_id={frame_id}, which is not in StackFrames",
-                    self.line, 1,
+                    f"instruction {self.name!r} has stack_frame_id={frame_id}, "
+                    "which is not in StackFrames",
+                    self.line,
+                    1,
                 ) from None
         if "source_file" in meta and "source_line" in meta:
             return [Frame(meta["source_file"], int(meta["source_line"]), "")]
@@ -229,7 +244,9 @@ class Instruction:
         """An integer-list attribute such as `dimensions={0,1}` as `(0, 1)`."""
         raw = self.attributes.get(attr)
         if raw is None:
-            raise HlotoolError(f"instruction {self.name!r} ({self.opcode}) has no {attr!r} attribute")
+            raise HlotoolError(
+                f"instruction {self.name!r} ({self.opcode}) has no {attr!r} attribute"
+            )
         body = raw.strip()
         if body.startswith("{") and body.endswith("}"):
             body = body[1:-1]

@@ -40,8 +40,15 @@ def _nested(depth: int) -> str:
     inner = r'(?:[^{}()\[\]"]++|' + _STRING + r")*+"
     for _ in range(depth):
         inner = (
-            r'(?:[^{}()\[\]"]++|' + _STRING
-            + r"|\{" + inner + r"\}|\(" + inner + r"\)|\[" + inner + r"\])*+"
+            r'(?:[^{}()\[\]"]++|'
+            + _STRING
+            + r"|\{"
+            + inner
+            + r"\}|\("
+            + inner
+            + r"\)|\["
+            + inner
+            + r"\])*+"
         )
     return inner
 
@@ -52,12 +59,20 @@ def _nested(depth: int) -> str:
 _NEST = _nested(3)
 _SHAPE = r"(?:\(" + _NEST + r"\)|[a-z][a-z0-9]*\[[^\]]*\](?:\{[^{}]*\})?)"
 _INSTRUCTION_RE = re.compile(
-    r"\s*(ROOT\s+)?%?(" + _NAME + r")\s*=\s*(" + _SHAPE + r")\s*([a-z][\w\-]*)\(([^()]*)\)", re.ASCII
+    r"\s*(ROOT\s+)?%?(" + _NAME + r")\s*=\s*(" + _SHAPE + r")\s*([a-z][\w\-]*)\(([^()]*)\)",
+    re.ASCII,
 )
 # A value is a run of words, quoted strings and bracketed groups; a blank may only lead
 # into a group (`replica_groups=mesh['axis_0'=4] {'axis_0'}`).
 _VALUE = (
-    r"(?:[^,{}()\[\]\"\s]++|" + _STRING + r"|\{" + _nested(4) + r"\}|\(" + _NEST + r"\)|\[" + _NEST
+    r"(?:[^,{}()\[\]\"\s]++|"
+    + _STRING
+    + r"|\{"
+    + _nested(4)
+    + r"\}|\("
+    + _NEST
+    + r"\)|\["
+    + _NEST
     + r"\]|\s++(?=[{(\[\"]))++"
 )
 # An attribute, or any other visible character, which yields ("", "") and rejects the line.
@@ -65,7 +80,9 @@ _ATTRIBUTES_RE = re.compile(r"\s*,\s*(" + _NAME + r")=(" + _VALUE + r")|\S", re.
 _SHAPES: dict[str, Shape] = {}
 _CALL_KEYS = frozenset(CALLED_COMPUTATION_ATTRS)
 _OPERAND_RE = re.compile(r"\s*(?:(" + _SHAPE + r")\s+)?%?(" + _NAME + r")\s*(?:,|$)", re.ASCII)
-_COMPUTATION_RE = re.compile(r"\s*(ENTRY\s+)?%?(" + _NAME + r")\s*(\(.*\)\s*->.*?)?\s*\{\s*$", re.ASCII)
+_COMPUTATION_RE = re.compile(
+    r"\s*(ENTRY\s+)?%?(" + _NAME + r")\s*(\(.*\)\s*->.*?)?\s*\{\s*$", re.ASCII
+)
 _HEADER_RE = re.compile(r"\s*HloModule\s+(" + _NAME + r")", re.ASCII)
 _TABLE_ROW_RE = re.compile(r"\s*(\d+)\s+(.*?)\s*$", re.ASCII)
 _TOKEN_RE = re.compile(_STRING + r'|"|[{}()\[\]]', re.ASCII)
@@ -126,6 +143,7 @@ class _ModuleParser:
         self.lines = source.lines
         self.pos = 0  # index of the next line to read
         self.callers: list[Instruction] = []  # instructions that name computations
+        self.table_line = 0  # where the first debug table starts, for table errors
 
     def parse(self) -> Module:
         name, attributes = self._header()
@@ -155,11 +173,12 @@ class _ModuleParser:
         if len(entries) > 1:
             raise self.src.error(
                 f"second ENTRY computation {entries[1].name!r} (first is {entries[0].name!r})",
-                entries[1].line, 1,
+                entries[1].line,
+                1,
             )
         problem = table.validate()
         if problem:
-            raise self.src.error(f"inconsistent debug tables: {problem}", self._table_line or 1, 1)
+            raise self.src.error(f"inconsistent debug tables: {problem}", self.table_line or 1, 1)
         module = Module(name, computations, attributes, table, self.src.name)
         _check_calls(module, self.callers, self.src)
         return module
@@ -182,10 +201,8 @@ class _ModuleParser:
         attrs = _attributes(text, m.end(), self.src, line_no)
         return m.group(1), {k: v for k, v, _ in attrs}
 
-    _table_line = 0
-
     def _table(self, kind: str, table: StackFrameTable) -> None:
-        self._table_line = self._table_line or self.pos + 1
+        self.table_line = self.table_line or self.pos + 1
         self.pos += 1
         target = {
             "FileNames": table.file_names,
@@ -199,7 +216,9 @@ class _ModuleParser:
                 return
             m = _TABLE_ROW_RE.match(line)
             if not m:
-                raise self.src.error(f"expected '<id> <value>' row in {kind} table", self.pos + 1, 1)
+                raise self.src.error(
+                    f"expected '<id> <value>' row in {kind} table", self.pos + 1, 1
+                )
             value = m.group(2)
             if kind in ("FileNames", "FunctionNames"):
                 if not (value.startswith('"') and value.endswith('"') and len(value) >= 2):
@@ -210,10 +229,14 @@ class _ModuleParser:
             else:
                 if not (value.startswith("{") and value.endswith("}")):
                     raise self.src.error(
-                        f"expected '{{key=value ...}}' in {kind} table", self.pos + 1, m.start(2) + 1
+                        f"expected '{{key=value ...}}' in {kind} table",
+                        self.pos + 1,
+                        m.start(2) + 1,
                     )
                 try:
-                    target[int(m.group(1))] = {k: int(v) for k, v in parse_key_values(value).items()}
+                    target[int(m.group(1))] = {
+                        k: int(v) for k, v in parse_key_values(value).items()
+                    }
                 except ValueError:
                     raise self.src.error(
                         f"non-integer value in {kind} table", self.pos + 1, m.start(2) + 1
@@ -229,9 +252,13 @@ class _ModuleParser:
         if not header:
             col = len(line) - len(line.lstrip()) + 1
             if "=" in line and not line.strip().endswith("{"):
-                raise self.src.error("instruction outside a computation (missing '{' header?)", line_no, col)
+                raise self.src.error(
+                    "instruction outside a computation (missing '{' header?)", line_no, col
+                )
             raise self.src.error(
-                "expected a computation header like 'ENTRY %main (p: f32[2]) -> f32[2] {'", line_no, col
+                "expected a computation header like 'ENTRY %main (p: f32[2]) -> f32[2] {'",
+                line_no,
+                col,
             )
         self.pos += 1
         comp_name = header.group(2)
@@ -287,8 +314,17 @@ class _ModuleParser:
                             operands = inside.replace("%", "").replace(" ", "").split(",")
                     if ok:
                         inst = Instruction(
-                            name, opcode, shape, operands, attributes, (), literal,
-                            parameter_number, root is not None, pos, table,
+                            name,
+                            opcode,
+                            shape,
+                            operands,
+                            attributes,
+                            (),
+                            literal,
+                            parameter_number,
+                            root is not None,
+                            pos,
+                            table,
                         )
                         append(inst)
                         use(operands)
@@ -304,7 +340,9 @@ class _ModuleParser:
                 continue
             if _COMPUTATION_RE.match(text):
                 raise self.src.error(
-                    f"expected '}}' closing computation {comp_name!r} before the next header", pos, 1
+                    f"expected '}}' closing computation {comp_name!r} before the next header",
+                    pos,
+                    1,
                 )
             self.pos = pos - 1
             text = self._statement()
@@ -323,7 +361,12 @@ class _ModuleParser:
             raise self.src.error(f"computation {comp_name!r} has no instructions", line_no, 1)
         by_name = {i.name: i for i in instructions}
         comp = Computation(
-            comp_name, instructions, header.group(1) is not None, header.group(3) or "", line_no, by_name
+            comp_name,
+            instructions,
+            header.group(1) is not None,
+            header.group(3) or "",
+            line_no,
+            by_name,
         )
         _check_computation(comp, self.src, used, roots, params)
         return comp
@@ -371,7 +414,9 @@ def _new_shape(text: str) -> Shape | None:
 
 def _blank_comments(text: str) -> str:
     """`/*index=5*/` comments replaced by blanks of the same length (columns stay right)."""
-    return _COMMENT_RE.sub(lambda m: m.group(0) if m.group(0)[0] == '"' else " " * len(m.group(0)), text)
+    return _COMMENT_RE.sub(
+        lambda m: m.group(0) if m.group(0)[0] == '"' else " " * len(m.group(0)), text
+    )
 
 
 # -- the precise scanner -------------------------------------------------------------------
@@ -390,8 +435,11 @@ def _close(text: str, pos: int, src: _Source, line: int) -> int:
             opener, at = stack.pop()
             if _MATCHING[opener] != tok:
                 raise src.error_at(
-                    f"{tok!r} does not match {opener!r} opened at column {at - text.rfind(chr(10), 0, at)}",
-                    line, text, m.start(),
+                    f"{tok!r} does not match {opener!r} opened at column "
+                    f"{at - text.rfind(chr(10), 0, at)}",
+                    line,
+                    text,
+                    m.start(),
                 )
             if not stack:
                 return m.end()
@@ -435,7 +483,7 @@ def _skip_ws(text: str, pos: int) -> int:
 
 
 def _found(text: str, pos: int) -> str:
-    return repr(text[pos:pos + 10]) if pos < len(text) else "end of line"
+    return repr(text[pos : pos + 10]) if pos < len(text) else "end of line"
 
 
 def _attributes(text: str, pos: int, src: _Source, line: int) -> list[tuple[str, str, int]]:
@@ -445,11 +493,18 @@ def _attributes(text: str, pos: int, src: _Source, line: int) -> list[tuple[str,
         if pos >= len(text):
             return attrs
         if text[pos] != ",":
-            raise src.error_at(f"expected ',' before the next attribute, found {_found(text, pos)}", line, text, pos)
+            raise src.error_at(
+                f"expected ',' before the next attribute, found {_found(text, pos)}",
+                line,
+                text,
+                pos,
+            )
         pos = _skip_ws(text, pos + 1)
         m = _WORD_RE.match(text, pos)
         if not m or not text.startswith("=", m.end()):
-            raise src.error_at(f"expected 'name=value' attribute, found {_found(text, pos)}", line, text, pos)
+            raise src.error_at(
+                f"expected 'name=value' attribute, found {_found(text, pos)}", line, text, pos
+            )
         start = m.end() + 1
         end = _value_end(text, start, src, line)
         if end == start:
@@ -462,18 +517,25 @@ def _parse_slow(text: str, src: _Source, line: int) -> _Parsed:
     if "/*" in text:
         text = _blank_comments(text)
     pos = _skip_ws(text, 0)
-    is_root = text.startswith("ROOT", pos) and text[pos + 4:pos + 5].isspace()
+    is_root = text.startswith("ROOT", pos) and text[pos + 4 : pos + 5].isspace()
     if is_root:
         pos = _skip_ws(text, pos + 4)
     if text.startswith("%", pos):
         pos += 1
     m = _WORD_RE.match(text, pos)
     if not m:
-        raise src.error_at(f"expected an instruction name, found {_found(text, pos)}", line, text, pos)
+        raise src.error_at(
+            f"expected an instruction name, found {_found(text, pos)}", line, text, pos
+        )
     name = m.group(1)
     pos = _skip_ws(text, m.end())
     if not text.startswith("=", pos):
-        raise src.error_at(f"expected '=' after instruction name {name!r}, found {_found(text, pos)}", line, text, pos)
+        raise src.error_at(
+            f"expected '=' after instruction name {name!r}, found {_found(text, pos)}",
+            line,
+            text,
+            pos,
+        )
     pos = _skip_ws(text, pos + 1)
     shape_start = pos
     if text.startswith("(", pos):
@@ -481,7 +543,9 @@ def _parse_slow(text: str, src: _Source, line: int) -> _Parsed:
     else:
         sm = _ARRAY_SHAPE_RE.match(text, pos)
         if not sm:
-            raise src.error_at(f"expected a shape like f32[2,3]{{1,0}}, found {_found(text, pos)}", line, text, pos)
+            raise src.error_at(
+                f"expected a shape like f32[2,3]{{1,0}}, found {_found(text, pos)}", line, text, pos
+            )
         pos = sm.end()
         if text.startswith("{", pos):
             pos = _close(text, pos, src, line)
@@ -489,17 +553,25 @@ def _parse_slow(text: str, src: _Source, line: int) -> _Parsed:
     pos = _skip_ws(text, pos)
     om = _OPCODE_RE.match(text, pos)
     if not om:
-        raise src.error_at(f"expected an opcode after the shape, found {_found(text, pos)}", line, text, pos)
+        raise src.error_at(
+            f"expected an opcode after the shape, found {_found(text, pos)}", line, text, pos
+        )
     opcode = om.group(0)
     pos = om.end()
     if not text.startswith("(", pos):
-        raise src.error_at(f"expected '(' after opcode {opcode!r}, found {_found(text, pos)}", line, text, pos)
+        raise src.error_at(
+            f"expected '(' after opcode {opcode!r}, found {_found(text, pos)}", line, text, pos
+        )
     end = _close(text, pos, src, line)
-    operands, operands_at = text[pos + 1:end - 1], pos + 1
-    return _Parsed(is_root, name, shape, opcode, operands, operands_at, _attributes(text, end, src, line))
+    operands, operands_at = text[pos + 1 : end - 1], pos + 1
+    return _Parsed(
+        is_root, name, shape, opcode, operands, operands_at, _attributes(text, end, src, line)
+    )
 
 
-def _split_operands(text: str, at: int, full: str, src: _Source, line: int) -> list[tuple[str | None, str, int]]:
+def _split_operands(
+    text: str, at: int, full: str, src: _Source, line: int
+) -> list[tuple[str | None, str, int]]:
     """`f32[2]{0} %a, %b` → [(shape text | None, name, offset of name)]."""
     if not text.strip():
         return []
@@ -510,7 +582,9 @@ def _split_operands(text: str, at: int, full: str, src: _Source, line: int) -> l
             name = part.strip().lstrip("%")
             if not _NAME_RE.fullmatch(name):
                 off = at + pos + len(part) - len(part.lstrip())
-                raise src.error_at(f"expected an operand name, found {part.strip()!r}", line, full, off)
+                raise src.error_at(
+                    f"expected an operand name, found {part.strip()!r}", line, full, off
+                )
             out.append((None, name, at + pos + part.find(name)))
             pos += len(part) + 1
         return out
@@ -521,7 +595,12 @@ def _split_operands(text: str, at: int, full: str, src: _Source, line: int) -> l
     while pos < len(text):
         m = _OPERAND_RE.match(text, pos)
         if not m:
-            raise src.error_at(f"expected an operand, found {_found(text, _skip_ws(text, pos))}", line, full, at + _skip_ws(text, pos))
+            raise src.error_at(
+                f"expected an operand, found {_found(text, _skip_ws(text, pos))}",
+                line,
+                full,
+                at + _skip_ws(text, pos),
+            )
         out.append((m.group(1), m.group(2), at + m.start(2)))
         pos = m.end()
     if text.rstrip().endswith(","):
@@ -550,21 +629,36 @@ def _build(p: _Parsed, text: str, src: _Source, line: int, table: StackFrameTabl
                 parameter_number = int(p.operands)
             except ValueError:
                 raise src.error_at(
-                    f"parameter number must be an integer, found {p.operands!r}", line, text, p.operands_at
+                    f"parameter number must be an integer, found {p.operands!r}",
+                    line,
+                    text,
+                    p.operands_at,
                 ) from None
         else:
-            for shape_text, name, offset in _split_operands(p.operands, p.operands_at, text, src, line):
+            for shape_text, name, offset in _split_operands(
+                p.operands, p.operands_at, text, src, line
+            ):
                 operands.append(name)
-                operand_shapes.append(None if shape_text is None else _shape(shape_text, src, line, text, offset))
+                operand_shapes.append(
+                    None if shape_text is None else _shape(shape_text, src, line, text, offset)
+                )
     attributes = {}
     for key, value, offset in p.attributes:
         if key in attributes:
             raise src.error_at(f"attribute {key!r} given twice", line, text, offset)
         attributes[key] = value
     return Instruction(
-        p.name, p.opcode, shape, operands, attributes,
+        p.name,
+        p.opcode,
+        shape,
+        operands,
+        attributes,
         tuple(operand_shapes) if any(s is not None for s in operand_shapes) else (),
-        literal, parameter_number, p.is_root, line, table,
+        literal,
+        parameter_number,
+        p.is_root,
+        line,
+        table,
     )
 
 
@@ -584,23 +678,32 @@ def _check_computation(
                 col = src.lines[inst.line - 1].find(inst.name) + 1
                 raise src.error(
                     f"duplicate instruction name {inst.name!r} in computation {comp.name!r}",
-                    inst.line, max(col, 1),
+                    inst.line,
+                    max(col, 1),
                 )
             seen.add(inst.name)
     if not names.keys() >= set(used):
-        for index, inst in enumerate(insts):
+        for inst in insts:
             if all(operand in names for operand in inst.operands):
                 continue
             # The fast path splits operand lists without validating names: rescan the line
             # precisely, which either names what is malformed or gives the real operands.
             text = _join_statement(src.lines, inst.line - 1)[0]
             parsed = _parse_slow(text, src, inst.line)
-            names_found = [n for _, n, _ in _split_operands(parsed.operands, parsed.operands_at, text, src, inst.line)]
+            names_found = [
+                n
+                for _, n, _ in _split_operands(
+                    parsed.operands, parsed.operands_at, text, src, inst.line
+                )
+            ]
             for operand in names_found:
                 if operand not in names:
                     raise src.error_at(
-                        f"operand {operand!r} of {inst.name!r} is not defined in computation {comp.name!r}",
-                        inst.line, text, text.find(operand, parsed.operands_at),
+                        f"operand {operand!r} of {inst.name!r} is not defined in "
+                        f"computation {comp.name!r}",
+                        inst.line,
+                        text,
+                        text.find(operand, parsed.operands_at),
                     )
             inst.operands = names_found
     if len(roots) > 1:
@@ -613,7 +716,9 @@ def _check_computation(
                     f"parameter({number}) appears twice in computation {comp.name!r}", twice.line, 1
                 )
             if number > expected:
-                raise src.error(f"computation {comp.name!r} has no parameter({expected})", comp.line, 1)
+                raise src.error(
+                    f"computation {comp.name!r} has no parameter({expected})", comp.line, 1
+                )
 
 
 def _check_calls(module: Module, callers: list[Instruction], src: _Source) -> None:
@@ -626,5 +731,6 @@ def _check_calls(module: Module, callers: list[Instruction], src: _Source) -> No
                     col = text.find(f"{key}=") + 1
                     raise src.error(
                         f"{key}={callee} of {inst.name!r} names no computation in the module",
-                        inst.line, max(col, 1),
+                        inst.line,
+                        max(col, 1),
                     )

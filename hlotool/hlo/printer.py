@@ -22,7 +22,7 @@ def print_instruction(inst: Instruction) -> str:
     elif inst.operand_shapes:
         inside = ", ".join(
             f"{shape} %{name}" if shape is not None else f"%{name}"
-            for shape, name in zip(inst.operand_shapes, inst.operands)
+            for shape, name in zip(inst.operand_shapes, inst.operands, strict=True)
         )
     else:
         inside = ", ".join(f"%{name}" for name in inst.operands)
@@ -51,7 +51,10 @@ def _print_tables(table: StackFrameTable) -> list[str]:
     for title, rows in (("FileNames", table.file_names), ("FunctionNames", table.function_names)):
         if rows:
             blocks.append("\n".join([title] + [f"{i} {quote(v)}" for i, v in rows.items()]))
-    for title, records in (("FileLocations", table.file_locations), ("StackFrames", table.stack_frames)):
+    for title, records in (
+        ("FileLocations", table.file_locations),
+        ("StackFrames", table.stack_frames),
+    ):
         if records:
             lines = [title]
             for i, record in records.items():

@@ -11,12 +11,35 @@ import re
 # layout packs them (`E(4)`), which is XLA's default on CPU.
 _ELEMENT_BITS: dict[str, int] = {
     "pred": 8,
-    "s2": 2, "s4": 4, "s8": 8, "s16": 16, "s32": 32, "s64": 64,
-    "u2": 2, "u4": 4, "u8": 8, "u16": 16, "u32": 32, "u64": 64,
-    "f4e2m1fn": 4, "f8e3m4": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3fnuz": 8,
-    "f8e4m3b11fnuz": 8, "f8e5m2": 8, "f8e5m2fnuz": 8, "f8e8m0fnu": 8,
-    "bf16": 16, "f16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
-    "token": 0, "opaque": 0,
+    "s2": 2,
+    "s4": 4,
+    "s8": 8,
+    "s16": 16,
+    "s32": 32,
+    "s64": 64,
+    "u2": 2,
+    "u4": 4,
+    "u8": 8,
+    "u16": 16,
+    "u32": 32,
+    "u64": 64,
+    "f4e2m1fn": 4,
+    "f8e3m4": 8,
+    "f8e4m3": 8,
+    "f8e4m3fn": 8,
+    "f8e4m3fnuz": 8,
+    "f8e4m3b11fnuz": 8,
+    "f8e5m2": 8,
+    "f8e5m2fnuz": 8,
+    "f8e8m0fnu": 8,
+    "bf16": 16,
+    "f16": 16,
+    "f32": 32,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "token": 0,
+    "opaque": 0,
 }
 
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](?:\{([^{}]*)\})?")
@@ -102,7 +125,7 @@ class Shape:
             return "(" + ", ".join(str(s) for s in self.tuple_shapes) + ")"
         dims = ",".join(
             ("?" if d < 0 else ("<=" if dyn else "") + str(d))
-            for d, dyn in zip(self.dims, self.dynamic or (False,) * len(self.dims))
+            for d, dyn in zip(self.dims, self.dynamic or (False,) * len(self.dims), strict=True)
         )
         layout = "" if self.layout is None else "{" + self.layout + "}"
         return f"{self.element_type}[{dims}]{layout}"
@@ -152,7 +175,9 @@ def _parse_at(text: str, pos: int) -> tuple[Shape, int]:
             pos = _skip_comment(text, _skip_ws(text, pos + 1))
     m = _ARRAY_RE.match(text, pos)
     if not m:
-        raise ShapeError(f"expected a shape like f32[2,3]{{1,0}}, found {text[pos:pos + 12]!r}", pos)
+        raise ShapeError(
+            f"expected a shape like f32[2,3]{{1,0}}, found {text[pos : pos + 12]!r}", pos
+        )
     element_type, dims_text, layout = m.groups()
     if element_type not in _ELEMENT_BITS:
         raise ShapeError(f"unknown element type {element_type!r}", pos)

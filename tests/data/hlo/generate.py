@@ -6,7 +6,8 @@ Each program is written three ways: CPU before optimization (`lower().as_text(di
 debug_info=True)`), CPU after optimization (`compile().as_text()`) and TPU v5e after
 optimization (deviceless compile through libtpu). The attention program is also lowered
 and compiled for a 4-chip v5e mesh with sequence-sharded inputs, lowered without debug info,
-and dumped with `--xla_dump_to`; the Pallas TPU flash kernel gives a `tpu_custom_call`. Lines marked `# fixture:<tag>` are what the source-location tests look for.
+and dumped with `--xla_dump_to`; the Pallas TPU flash kernel gives a `tpu_custom_call`.
+Lines marked `# fixture:<tag>` are what the source-location tests look for.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import topologies
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 HERE = Path(__file__).resolve().parent
 
@@ -130,9 +132,10 @@ def dump_files() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp} --xla_dump_hlo_as_text")
         code = (
-            "import sys; sys.path.insert(0, %r); import generate, jax, jax.numpy as jnp; "
-            "x = jnp.ones((1, 16, 2, 8)); jax.jit(generate.attention)(x, x, x).block_until_ready()"
-        ) % str(HERE)
+            f"import sys; sys.path.insert(0, {str(HERE)!r}); import generate, jax; "
+            "x = jax.numpy.ones((1, 16, 2, 8)); "
+            "jax.jit(generate.attention)(x, x, x).block_until_ready()"
+        )
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
         for pattern, out in (
             ("*jit_attention*before_optimizations.txt", "dump_attention_before.txt"),
@@ -150,9 +153,13 @@ def main() -> None:
         tpu = tpu_lowered(fn, args, "v5e:1x1", (1,), P())
         (HERE / f"{name}.tpu_post.hlo").write_text(tpu.compile().as_text())
     fn, args = programs()["attention"]
-    (HERE / "attention.nodebug.cpu_pre.hlo").write_text(jax.jit(fn).lower(*args).as_text(dialect="hlo"))
+    (HERE / "attention.nodebug.cpu_pre.hlo").write_text(
+        jax.jit(fn).lower(*args).as_text(dialect="hlo")
+    )
     sharded = tpu_lowered(fn, args, "v5e:2x2", (4,), P(None, "x", None, None))
-    (HERE / "attention.sharded.tpu_pre.hlo").write_text(sharded.as_text(dialect="hlo", debug_info=True))
+    (HERE / "attention.sharded.tpu_pre.hlo").write_text(
+        sharded.as_text(dialect="hlo", debug_info=True)
+    )
     (HERE / "attention.sharded.tpu_post.hlo").write_text(sharded.compile().as_text())
     qkv = jnp.ones((1, 2, 256, 128), jnp.bfloat16)
     flash = tpu_lowered(flash_program, (qkv, qkv, qkv), "v5e:1x1", (1,), P())
