@@ -296,3 +296,68 @@ def test_crlf_line_endings_and_non_ascii_paths():
     prefix = reference.entry.get(dot.name).source.rsplit("/tests/", 1)[0]
     assert dot.source == f"{prefix}/tests/données/生成.py:{marked_line('qk')}"
     assert parse_module(print_module(module)).entry.get(dot.name).source == dot.source
+
+
+NESTED_CALLS = """HloModule nested
+
+%identity (x: f32[2]) -> f32[2] {
+  ROOT %x = f32[2]{0} parameter(0)
+}
+
+%double (y: f32[2]) -> f32[2] {
+  %y = f32[2]{0} parameter(0)
+  %same = f32[2]{0} call(%y), to_apply=%identity
+  ROOT %twice = f32[2]{0} add(%same, %y)
+}
+
+ENTRY %main (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  %a = f32[2]{0} call(%p), to_apply=%double
+  %b = f32[2]{0} call(%a), to_apply=%double
+  ROOT %out = f32[2]{0} call(%b), to_apply=%identity
+}
+"""
+
+
+def test_inline_calls_nested_repeated_and_identity_bodies():
+    flat = parse_module(NESTED_CALLS).inline_calls()
+    assert list(flat.computations) == ["main"]
+    entry = flat.entry
+    # Each call of %double contributes its one add; %identity contributes nothing.
+    assert [(i.name, i.opcode, i.operands) for i in entry.instructions] == [
+        ("p", "parameter", []),
+        ("twice", "add", ["p", "p"]),
+        ("twice.1", "add", ["twice", "twice"]),
+    ]
+    assert entry.root.name == "twice.1"
+    reparsed = parse_module(print_module(flat))
+    assert [i.name for i in reparsed.entry.instructions] == ["p", "twice", "twice.1"]
+
+
+def test_slices_windows_and_narrow_types():
+    text = """HloModule narrow
+ENTRY %main (a: s4[8], b: u8[4,4], c: f8e4m3fn[1,4,4,1]) -> (s4[2], f8e4m3fn[1,4,4,1]) {
+  %a = s4[8]{0:E(4)} parameter(0)
+  %b = u8[4,4]{1,0} parameter(1)
+  %c = f8e4m3fn[1,4,4,1]{3,2,1,0} parameter(2)
+  %s = s4[2]{0:E(4)} slice(%a), slice={[2:6:2]}
+  %k = f8e4m3fn[3,3,1,1]{3,2,1,0} constant({...})
+  %conv = f8e4m3fn[1,4,4,1]{3,2,1,0} convolution(%c, %k), window={size=3x3 pad=1_1x1_1}, \
+dim_labels=b01f_01io->b01f
+  ROOT %t = (s4[2]{0:E(4)}, f8e4m3fn[1,4,4,1]{3,2,1,0}) tuple(%s, %conv)
+}
+""".replace("\\\n", "")
+    module = parse_module(text)
+    entry = module.entry
+    assert entry.get("s").attributes["slice"] == "{[2:6:2]}"
+    assert entry.get("s").shape.nbytes == 1 and entry.get("a").shape.nbytes == 4
+    assert entry.get("b").shape.nbytes == 16 and entry.get("c").shape.nbytes == 16
+    conv = entry.get("conv")
+    assert conv.attributes["window"] == "{size=3x3 pad=1_1x1_1}"
+    assert conv.attributes["dim_labels"] == "b01f_01io->b01f"
+    assert entry.get("k").literal == "{...}"
+    assert [str(s) for s in entry.root.shape.tuple_shapes] == [
+        "s4[2]{0:E(4)}",
+        "f8e4m3fn[1,4,4,1]{3,2,1,0}",
+    ]
+    assert graphs_equal(to_graph(module), to_graph(parse_module(print_module(module))))

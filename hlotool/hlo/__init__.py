@@ -1,8 +1,11 @@
 """HLO IR: parse XLA's HLO text, print it back, and view it as a networkx graph.
 
-module = parse_module(compiled.as_text())
-for inst in module.entry.instructions: ...
-graph = to_graph(module.inline_calls())
+Typical use::
+
+    module = parse_module(jax.jit(f).lower(x).compile().as_text())
+    for inst in module.entry.instructions:
+        print(inst.name, inst.opcode, inst.shape, inst.source)
+    graph = to_graph(module.inline_calls())  # nodes "computation/instruction"
 """
 
 from hlotool.hlo.graph import graphs_equal, node_id, to_graph
