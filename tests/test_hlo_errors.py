@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
 
 from hlotool.errors import HloParseError, HlotoolError
-from hlotool.hlo import parse_module
+from hlotool.hlo import graphs_equal, parse_module, print_module, to_graph
 
 GOOD = """HloModule m
 
@@ -217,3 +220,36 @@ def test_operand_lists_the_fast_path_cannot_split_are_rescanned():
     error = parse_error(text.replace("add(%p,\t%q)", "add(%p,\t%nope)"))
     assert "operand 'nope' of 'r' is not defined" in str(error)
     assert (error.line, error.column) == position(text.replace("%q)", "%nope)"), "nope)")
+
+
+def test_random_damage_gives_a_module_or_a_one_line_error():
+    """Truncations, deletions, insertions of syntax characters into real fixtures: each
+    result parses (and then round trips) or raises `HloParseError`, never anything else."""
+    fixtures = Path(__file__).parent / "data" / "hlo"
+    texts = [
+        (fixtures / f"{p}.{s}.hlo").read_text()
+        for p in ("attention", "cond", "while")
+        for s in ("cpu_pre", "cpu_post", "tpu_post")
+    ]
+    rng = random.Random(0)
+    outcomes = {"parsed": 0, "error": 0}
+    for _ in range(300):
+        text = rng.choice(texts)
+        at = rng.randrange(len(text))
+        damaged = rng.choice(
+            [
+                text[:at],
+                text[:at] + text[at + rng.randint(1, 5) :],
+                text[:at] + rng.choice('{}()[],="%\\ \n/*x') + text[at:],
+            ]
+        )
+        try:
+            module = parse_module(damaged, "damaged.hlo")
+        except HloParseError as error:
+            assert "\n" not in str(error) and error.line >= 1 and error.column >= 1
+            outcomes["error"] += 1
+            continue
+        again = parse_module(print_module(module))
+        assert graphs_equal(to_graph(module), to_graph(again))
+        outcomes["parsed"] += 1
+    assert outcomes["parsed"] > 0 and outcomes["error"] > 0
