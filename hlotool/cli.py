@@ -23,11 +23,15 @@ from hlotool.targets import TARGETS, default_jax_platforms
 
 if TYPE_CHECKING:
     from hlotool.capture import CapturedFunction
+    from hlotool.passes.native import NativeFate
+    from hlotool.site import AttentionSite
 
 STAGE_NAMES = ("jaxpr", "stablehlo", "hlo", "optimized")
 # Widest argument list the table shows in full; longer ones (parameter pytrees) are
 # abbreviated, and `inspect -v` lists every argument.
 _MAX_ARGS_SHOWN = 4
+# `inspect --fail-on-sites` exit status when it finds attention (errors exit 2).
+_SITES_FOUND = 1
 
 _TARGET_HELP = (
     "Compile target: "
@@ -97,49 +101,71 @@ def _script_argument(command: Callable[..., None]) -> Callable[..., None]:
     epilog="""\b
 Examples:
   hlotool inspect examples/causal_decoder.py
-  hlotool inspect examples/causal_decoder.py:train_step
-  hlotool inspect 'examples/flax_model.py:*step' --target tpu-v5e
-  hlotool inspect examples/padded_encoder.py -- --seq-len 256""",
+  hlotool inspect examples/causal_decoder.py:train_step --target cpu --target tpu-v5e
+  hlotool inspect 'examples/flax_model.py:*step' --json
+  hlotool inspect examples/padded_encoder.py --fail-on-sites -- --seq-len 256""",
 )
 @_script_argument
 @click.option(
-    "--target", "target", default="cpu", show_default=True, metavar="NAME", help=_TARGET_HELP
+    "--target", "targets", default=("cpu",), multiple=True, show_default=True,
+    metavar="NAME", help=_TARGET_HELP + " Repeat it to see XLA's native handling on several.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("--fail-on-sites", is_flag=True,
+              help=f"Exit with status {_SITES_FOUND} when an attention site is found (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Also list every argument by name.")
 @_fail_cleanly
 def inspect(
-    script: str, script_args: tuple[str, ...], target: str, as_json: bool, verbose: bool
+    script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as_json: bool,
+    fail_on_sites: bool, verbose: bool,
 ) -> None:
-    """Run SCRIPT and list the functions JAX compiled.
+    """Run SCRIPT and report every attention site in the functions JAX compiled.
 
-    For each function: its arguments (shape and dtype, pytrees flattened), the size of
-    its program at each stage (jaxpr equations, StableHLO ops, HLO instructions before
-    and after XLA's optimizations for --target) and how long the original compile took.
+    Per site: function, source line, q/k/v shapes and layout, dtype, heads, scale, mask
+    and the bytes of the score matrix the naive program materializes. Then, per --target,
+    what XLA does with it natively: the fusions and custom calls of the optimized program
+    that hold its work (XLA:TPU's own online-softmax shows here) and the [.., Lq, Lk]
+    score buffers that remain. Also lists each function with its arguments and program
+    size per stage for the first --target.
 
     SCRIPT:NAME keeps only functions whose name matches NAME: a glob when NAME contains
     * ? or [ (matched against the whole name), otherwise a substring. Arguments after
     `--` are passed to the script. The script's own output goes to stderr.
     """
+    from hlotool.passes.report import detect_captured, render_sites, sites_document
     from hlotool.targets import get_target
 
-    compile_target = get_target(target)
+    names = [get_target(t).name for t in dict.fromkeys(targets)]
     path, functions = _capture(script, script_args)
-    rows = [(f, f.instruction_counts(compile_target)) for f in functions]
+    rows = [(f, f.instruction_counts(names[0])) for f in functions]
+    sites = detect_captured(functions)
+    fates = _native_fates(functions, sites, names)
     if as_json:
-        click.echo(json.dumps(_inspect_report(path, compile_target.name, rows), indent=2))
-        return
-    click.echo(
-        f"{len(functions)} function{'s' if len(functions) != 1 else ''} compiled by {path} "
-        f"(stage sizes for {compile_target.name}; compile s: as the script ran)"
-    )
-    click.echo(_function_table(rows, compile_target.name))
-    if verbose:
-        for f in functions:
-            click.echo(f"\n{f.index} {f.name}  ({f.source or 'source unknown'})")
-            names = f.arg_names or [f"arg{i}" for i in range(len(f.in_avals))]
-            for name, arg in zip(names, f.args_summary()):
-                click.echo(f"    {arg:<20} {name}")
+        doc = sites_document(sites, **_inspect_report(path, names, rows))
+        for entry, by_target in zip(doc["sites"], fates):
+            entry["native"] = {t: fate.to_json() for t, fate in by_target.items()}
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(
+            f"{len(functions)} function{'s' if len(functions) != 1 else ''} compiled by {path} "
+            f"(stage sizes for {names[0]}; compile s: as the script ran)"
+        )
+        click.echo(_function_table(rows, names[0]))
+        click.echo(f"\n{len(sites)} attention site{'s' if len(sites) != 1 else ''}")
+        if sites:
+            click.echo(render_sites(sites))
+            click.echo(f"\nWhat XLA does natively ({', '.join(names)}):")
+            click.echo(_native_table(fates))
+        if verbose:
+            for f in functions:
+                click.echo(f"\n{f.index} {f.name}  ({f.source or 'source unknown'})")
+                arg_names = f.arg_names or [f"arg{i}" for i in range(len(f.in_avals))]
+                for name, arg in zip(arg_names, f.args_summary()):
+                    click.echo(f"    {arg:<20} {name}")
+    if fail_on_sites and sites:
+        click.echo(f"hlotool: {len(sites)} attention site{'s' if len(sites) != 1 else ''} "
+                   "found (--fail-on-sites)", err=True)
+        sys.exit(_SITES_FOUND)
 
 
 @cli.command(
@@ -280,12 +306,14 @@ def format_table(
 
 
 def _inspect_report(
-    path: str, target: str, rows: Sequence[tuple[CapturedFunction, dict[str, int]]]
+    path: str, targets: Sequence[str], rows: Sequence[tuple[CapturedFunction, dict[str, int]]]
 ) -> dict[str, Any]:
+    """Everything of the inspect document but its version and sites; "instructions" are
+    counted for the first target."""
     return {
-        "version": 1,
         "script": path,
-        "target": target,
+        "target": targets[0],
+        "targets": list(targets),
         "functions": [
             {
                 "index": f.index,
@@ -302,6 +330,35 @@ def _inspect_report(
             for f, counts in rows
         ],
     }
+
+
+def _native_fates(
+    functions: Sequence[CapturedFunction], sites: Sequence[AttentionSite], targets: Sequence[str]
+) -> list[dict[str, NativeFate]]:
+    """Per site (in `sites` order), its native fate on each target. Only functions with a
+    site are compiled for targets beyond the first."""
+    from hlotool.passes.native import native_fate
+
+    out: list[dict[str, NativeFate]] = [{} for _ in sites]
+    for target in targets:
+        fates = [fate for f in functions if any(s.function == f.name for s in sites)
+                 for fate in native_fate(f, target)]
+        if [(s.function, s.q_shape) for s in sites] != \
+                [(x.site.function, x.site.q_shape) for x in fates]:
+            raise HlotoolError(f"the {target} lowering holds other attention sites than the "
+                               "host's; inspect each target on its own")
+        for by_target, fate in zip(out, fates):
+            by_target[target] = fate
+    return out
+
+
+def _native_table(fates: Sequence[dict[str, NativeFate]]) -> str:
+    rows = [
+        [str(i), target, fate.summary(), str(fate.score_buffers)]
+        for i, by_target in enumerate(fates, 1) for target, fate in by_target.items()
+    ]
+    return format_table(["#", "target", "fusions and custom calls holding the site",
+                         "L×L buffers"], rows, right_aligned={0, 3})
 
 
 @cli.command(

@@ -95,7 +95,8 @@ def test_inspect_json(script):
 def test_inspect_name_filter(script, pattern, names):
     result = run("inspect", f"{script()}:{pattern}")
     assert result.exit_code == 0, result.output
-    assert [ln.split()[1] for ln in result.stdout.splitlines()[3:]] == names
+    table = result.stdout.split("\n\n")[0].splitlines()  # the site report follows
+    assert [ln.split()[1] for ln in table[3:]] == names
 
 
 def test_inspect_verbose_lists_argument_names(script):

@@ -1,0 +1,318 @@
+"""What XLA does natively with each attention site: where its work lands after optimization.
+
+    fates = native_fate(captured_function, "tpu-v5e")   # one `NativeFate` per site
+    fates[0].placements    # top-level fusions / custom calls holding the site's work
+    fates[0].score_buffers # [.., Lq, Lk] values still written to memory
+
+XLA renames everything, so a site's pre-optimization instructions are found again through
+what survives optimization: each instruction's `metadata={op_name=... stack_frame_id=...}`,
+kept on fused instructions too. A top-level instruction (entry, loop body or branch) whose
+own metadata or fused body carries a site's (op_name, Python stack) belongs to that site.
+Some of the work loses its metadata on the way (XLA:CPU's dots, XLA:TPU's `online-softmax`
+custom call, layout converts), so each site's region then grows along the dataflow through
+instructions with no known metadata: those between two of its instructions, score-sized
+producers before it, and the consumers of its score-sized values (the P·V contraction).
+
+Layers written by the same line of code carry identical metadata; their regions are told
+apart as separate connected pieces of the program, in program order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hlotool.errors import HlotoolError
+from hlotool.hlo import Instruction, Module, Shape, parse_module
+from hlotool.passes.attention import Match
+from hlotool.passes.from_hlo import find_matches
+from hlotool.site import AttentionSite
+
+if TYPE_CHECKING:
+    from hlotool.capture import CapturedFunction
+    from hlotool.targets import Target
+
+# Instructions that only run other computations as whole programs (their bodies are scanned
+# as program levels of their own), unlike fusions and reducers.
+_CONTROL = frozenset({"while", "conditional", "call"})
+# Instructions that only relabel a value (no work, no buffer of their own).
+_VIEWS = frozenset({"bitcast", "get-tuple-element", "tuple"})
+ONLINE_SOFTMAX = "online-softmax"
+
+_Key = tuple[str, tuple[tuple[str, int], ...]]  # (op_name, ((file, line), ...))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """One top-level instruction of the optimized program that holds part of a site.
+
+    what: "fusion kLoop", "fusion kCustom __ynn_fusion", "custom-call tpu_custom_call
+    online-softmax", or the opcode. score_sized: its output is a [.., Lq, Lk] score value.
+    """
+
+    name: str
+    what: str
+    shape: str
+    score_sized: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeFate:
+    """Where one site's work ended up in the program XLA optimized for `target`."""
+
+    site: AttentionSite
+    target: str
+    placements: tuple[Placement, ...]
+
+    @property
+    def score_buffers(self) -> int:
+        """[.., Lq, Lk] values the optimized program still writes out for this site."""
+        return sum(p.score_sized for p in self.placements)
+
+    @property
+    def online_softmax(self) -> bool:
+        """Whether XLA:TPU rewrote the site into its own online-softmax custom call."""
+        return any(p.what.endswith(ONLINE_SOFTMAX) for p in self.placements)
+
+    def summary(self) -> str:
+        """One line, e.g. ``3 fusion kLoop, 1 custom-call tpu_custom_call online-softmax``."""
+        if not self.placements:
+            return "not found in the optimized program"
+        counts = collections.Counter(p.what for p in self.placements)
+        return ", ".join(f"{n} {what}" for what, n in counts.items())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "placements": [p.to_json() for p in self.placements],
+            "score_buffers": self.score_buffers,
+            "online_softmax": self.online_softmax,
+        }
+
+
+def native_fate(function: CapturedFunction, target: str | Target = "cpu") -> list[NativeFate]:
+    """The native fate of every attention site of `function` on `target`, in the order
+    detection reports the sites. Compiles `function` for `target` only when it has a site."""
+    from hlotool.targets import get_target
+
+    name = get_target(target).name
+    pre = _inlined(parse_module(function.hlo(debug_info=True, target=name)))
+    matches = find_matches(pre, function.name)
+    if not matches:
+        return []
+    return _fates(pre, matches, parse_module(function.optimized(name)), name)
+
+
+def map_sites(pre: Module | str, optimized: Module | str, target: str,
+              function: str = "") -> list[NativeFate]:
+    """The native fates of the sites detected in pre-optimization HLO `pre` (with debug
+    info), found in `optimized`, the same program after XLA's passes for `target`. Both
+    must come from one lowering: the stacks of another hold other caller frames."""
+    pre = _inlined(_module(pre, "pre-optimization HLO"))
+    matches = find_matches(pre, function or pre.name)
+    return _fates(pre, matches, _module(optimized, "optimized HLO"), target) if matches else []
+
+
+def _module(hlo: Module | str, what: str) -> Module:
+    if isinstance(hlo, str):
+        return parse_module(hlo, source_name=f"<{what}>")
+    if not isinstance(hlo, Module):
+        raise HlotoolError(f"{what} must be an HLO Module or its text, got {type(hlo).__name__}")
+    return hlo
+
+
+def _inlined(module: Module) -> Module:
+    if any(i.opcode == "call" for i in module.instructions()):
+        return module.inline_calls()
+    return module
+
+
+def _key(inst: Instruction) -> _Key | None:
+    op_name = inst.metadata.get("op_name")
+    if not op_name:
+        return None
+    try:
+        frames = tuple((f.file, f.line) for f in inst.stack)
+    except HlotoolError:
+        frames = ()
+    return op_name, frames
+
+
+def _score_sized(shape: Shape, site: AttentionSite) -> bool:
+    """A value with one score matrix's elements whose dims include Lq and Lk."""
+    if shape.is_tuple:
+        return any(_score_sized(s, site) for s in shape.tuple_shapes)
+    dims = list(shape.dims)
+    if shape.num_elements != site.batch * site.num_q_heads * site.q_len * site.kv_len \
+            or site.q_len not in dims:
+        return False
+    dims.remove(site.q_len)
+    return site.kv_len in dims
+
+
+class _Program:
+    """The optimized module's top-level instructions (every computation that runs as a
+    program level: entry, loop bodies and conditions, branches), with their metadata keys."""
+
+    def __init__(self, module: Module):
+        self.module = module
+        called_by: dict[str, list[Instruction]] = collections.defaultdict(list)
+        for inst in module.instructions():
+            for callee in inst.called_computations:
+                called_by[callee].append(inst)
+        levels = [c for c in module.computations.values()
+                  if c.is_entry or (called_by[c.name]
+                                    and all(i.opcode in _CONTROL for i in called_by[c.name]))]
+        self.insts: list[tuple[str, Instruction]] = [(c.name, i) for c in levels for i in c]
+        self.index = {(c, i.name): n for n, (c, i) in enumerate(self.insts)}
+        self.operands: list[list[int]] = [
+            [self.index[(c, o)] for o in i.operands if (c, o) in self.index]
+            for c, i in self.insts
+        ]
+        self.users: list[list[int]] = [[] for _ in self.insts]
+        for n, ops in enumerate(self.operands):
+            for o in ops:
+                self.users[o].append(n)
+        self.keys = [self._keys(i) for _, i in self.insts]
+        # Values built from constants alone (a broadcast scale, an iota causal mask): inputs
+        # several sites may share, never one site's scores.
+        self.constant: set[int] = set()
+        for n, (_, inst) in enumerate(self.insts):
+            if inst.opcode not in ("parameter", "custom-call") and len(self.operands[n]) == len(
+                    inst.operands) and all(o in self.constant for o in self.operands[n]):
+                self.constant.add(n)
+
+    def _keys(self, inst: Instruction) -> set[_Key]:
+        keys = {k for k in [_key(inst)] if k is not None}
+        if inst.opcode in _CONTROL:
+            return keys
+        stack, seen = list(inst.called_computations), set()
+        while stack:
+            name = stack.pop()
+            comp = self.module.computations.get(name)
+            if comp is None or name in seen:
+                continue
+            seen.add(name)
+            for i in comp:
+                k = _key(i)
+                if k is not None:
+                    keys.add(k)
+                stack.extend(i.called_computations)
+        return keys
+
+    def reach(self, start: Iterable[int], edges: list[list[int]], through: set[int]) -> set[int]:
+        """Nodes reachable from `start` along `edges`, stepping only onto `through`."""
+        seen: set[int] = set()
+        stack = [n for s in start for n in edges[s] if n in through]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(m for m in edges[n] if m in through and m not in seen)
+        return seen
+
+    def grow(self, anchors: set[int], unknown: set[int], site: AttentionSite) -> set[int]:
+        """`anchors` plus the metadata-less work around them that belongs to the site."""
+        region = set(anchors)
+        region |= (self.reach(anchors, self.users, unknown)
+                   & self.reach(anchors, self.operands, unknown))
+        scores = {n for n in unknown - self.constant
+                  if _score_sized(self.insts[n][1].shape, site)}
+        region |= self.reach(region, self.operands, scores)
+        sized = [n for n in region if _score_sized(self.insts[n][1].shape, site)]
+        consumers = {u for n in sized for u in self.users[n] if u in unknown}
+        return region | consumers | self.reach(consumers, self.users, scores)
+
+    def components(self, nodes: set[int]) -> list[list[int]]:
+        """Weakly connected pieces of `nodes`, each in program order, ordered by first node."""
+        pieces, seen = [], set()
+        for start in sorted(nodes):
+            if start in seen:
+                continue
+            piece, stack = [], [start]
+            seen.add(start)
+            while stack:
+                n = stack.pop()
+                piece.append(n)
+                for m in (*self.operands[n], *self.users[n]):
+                    if m in nodes and m not in seen:
+                        seen.add(m)
+                        stack.append(m)
+            pieces.append(sorted(piece))
+        return pieces
+
+
+def _fates(pre: Module, matches: Sequence[Match], optimized: Module,
+           target: str) -> list[NativeFate]:
+    by_name = {i.name: i for i in pre.instructions()}
+    site_keys = [{k for n in m.body if n.ref in by_name
+                  for k in [_key(by_name[n.ref])] if k is not None} for m in matches]
+    known = {k for i in pre.instructions() for k in [_key(i)] if k is not None}
+    program = _Program(optimized)
+    unknown = {n for n, keys in enumerate(program.keys) if not keys & known}
+    anchors = _anchors(program, site_keys)
+    regions = [program.grow(a, unknown, m.site) if a else set()
+               for m, a in zip(matches, anchors)]
+    return [
+        NativeFate(m.site, target, tuple(_placement(program.insts[n][1], m.site)
+                                         for n in sorted(region)
+                                         if program.insts[n][1].opcode not in _VIEWS))
+        for m, region in zip(matches, regions)
+    ]
+
+
+def _anchors(program: _Program, site_keys: Sequence[set[_Key]]) -> list[set[int]]:
+    """Top-level instructions carrying each site's metadata.
+
+    An instruction with a key only one site has is that site's. One whose keys several
+    sites share (layers written by one line of code) is decided by program order: such
+    instructions form connected pieces, dealt out to the candidate sites in order (evenly
+    when there are more pieces than sites, as with a layer's forward and backward parts).
+    """
+    anchors: list[set[int]] = [set() for _ in site_keys]
+    shared: dict[frozenset[int], set[int]] = collections.defaultdict(set)
+    for n, keys in enumerate(program.keys):
+        candidates = frozenset(i for i, sk in enumerate(site_keys) if keys & sk)
+        own = {i for i in candidates
+               if keys & (site_keys[i] - set().union(*(site_keys[j] for j in candidates
+                                                       if j != i)))}
+        if len(candidates) == 1 or len(own) == 1:
+            anchors[min(own or candidates)].add(n)
+        elif candidates:
+            shared[candidates].add(n)
+    for candidates, nodes in shared.items():
+        pieces = program.components(nodes)
+        order = sorted(candidates)
+        for j, piece in enumerate(pieces):
+            anchors[order[j * len(order) // len(pieces)]].update(piece)
+    return anchors
+
+
+def _placement(inst: Instruction, site: AttentionSite) -> Placement:
+    if inst.opcode == "fusion":
+        what = f"fusion {inst.attributes.get('kind', '?')}"
+        config = inst.backend_config
+        fusion_kind = (config.get("fusion_config") or {}).get("kind") \
+            if isinstance(config, dict) else None
+        if fusion_kind:
+            what += f" {fusion_kind}"
+    elif inst.opcode == "custom-call":
+        what = f"custom-call {inst.custom_call_target or '?'}"
+        op_name = inst.metadata.get("op_name", "")
+        if op_name and "/" not in op_name:  # XLA's own name, e.g. online-softmax
+            what += f" {op_name}"
+    else:
+        what = inst.opcode
+    return Placement(inst.name, what, _shape_text(inst.shape), _score_sized(inst.shape, site))
+
+
+def _shape_text(shape: Shape) -> str:
+    """The shape without layout: ``bf16[2,1024,1024]``."""
+    if shape.is_tuple:
+        return "(" + ", ".join(_shape_text(s) for s in shape.tuple_shapes) + ")"
+    return f"{shape.element_type}[{','.join(map(str, shape.dims))}]"
