@@ -130,14 +130,12 @@ class Report:
 
 
 def _where(closed: core.ClosedJaxpr, site: JaxprSite) -> str:
-    if not site.path:
-        return "top level"
-    steps, jaxpr = [], closed.jaxpr
-    for index, param in site.path:
-        eqn = jaxpr.eqns[index]
+    """Where a site sits: "top level", or the enclosing equations, e.g. "scan.jaxpr"."""
+    steps = []
+    for depth, (index, param) in enumerate(site.path):
+        eqn = jaxpr_at(closed, site.path[:depth]).eqns[index]
         steps.append(f"{eqn.primitive.name}.{param}")
-        jaxpr = jaxpr_at(closed, site.path[:len(steps)])
-    return " > ".join(steps)
+    return " > ".join(steps) or "top level"
 
 
 def _chain_input(node: Node, site: JaxprSite) -> Node | None:
@@ -160,7 +158,7 @@ def _bias_scales(site: JaxprSite) -> dict[int, float]:
     (s + b)·c is the kernel's c·s + (b·c)."""
     node, after, out = site.match.internals["logits"], 1.0, {}
     scores = site.match.internals["scores"]
-    for _ in range(64):
+    while node is not None:
         if node is scores:
             return out
         if any(t.at is node and t.kind == "additive" for t in site.match.masks):
@@ -170,10 +168,7 @@ def _bias_scales(site: JaxprSite) -> dict[int, float]:
                          None)
             if value is not None:
                 after = after * value if node.op == "mul" else after / value
-        nxt = _chain_input(node, site)
-        if nxt is None:
-            break
-        node = nxt
+        node = _chain_input(node, site)
     raise RewriteError("the order of the scale and bias steps could not be followed")
 
 
@@ -265,13 +260,12 @@ def _operands(jaxpr: core.Jaxpr, site: JaxprSite, values: Mapping[Any, jax.Array
     v = site.v.layout.to_canonical(values[site.v.var]).astype(q.dtype)
     scales = _bias_scales(site)
     bias = mask = empty = empty_value = None
-    terms = {id(t.at): t for t in site.match.masks}
     for m in site.masks:
         if m.kind == "causal":
             continue
         x = _to_canonical(m.scores_layout, _compact(m, values[m.var]))
         if m.kind == "additive":
-            at = next(t.at for t in terms.values() if t.kind == "additive")
+            at = next(t.at for t in site.match.masks if t.kind == "additive")
             bias = x.astype(jnp.float32) * (m.sign * scales[id(at)])
             hidden = jnp.isneginf(bias)
             if site.causal:
@@ -495,22 +489,25 @@ def flash_jit(fn: Callable, *, kernel: str = "auto", validate: bool = False,
 
 
 def _worst_error(got: Any, want: Any) -> tuple[float, str] | None:
-    """(max|a - b| / max|b|, dtype) of the leaf furthest beyond its dtype's tolerance, or
-    None when every leaf is within it. NaN must sit where the reference has NaN."""
+    """(error, dtype) of the leaf furthest beyond its dtype's tolerance, or None when every
+    leaf is within it. The error is max|a - b| over the largest |b| of the whole tree (at
+    least 1, so a gradient that is zero up to rounding is not compared to its own noise).
+    NaN must sit where the reference has NaN."""
+    pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64), jnp.result_type(b).name)
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+    scale = max((np.max(np.abs(np.nan_to_num(b)), initial=0.0) for _, b, _ in pairs),
+                default=1.0)
     worst = None
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        dtype = jnp.result_type(b).name
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    for a, b, dtype in pairs:
         if not np.array_equal(np.isnan(a), np.isnan(b)):
             err = math.inf
         else:
-            a, b = np.nan_to_num(a), np.nan_to_num(b)
-            err = np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0),
-                                                          1e-30)
+            diff = np.abs(np.nan_to_num(a) - np.nan_to_num(b))
+            err = float(np.max(diff, initial=0.0) / max(scale, 1.0))
         tol = TOLERANCE.get(dtype, 0.0)
         if err > tol and (worst is None or err / max(tol, 1e-30) > worst[0] / max(
                 TOLERANCE.get(worst[1], 0.0), 1e-30)):
-            worst = (float(err), dtype)
+            worst = (err, dtype)
     return worst
 
 
@@ -572,7 +569,8 @@ class _Validated:
         want = _outputs_and_grads(jax.jit(self._fn, **self._jit_kwargs), args, kwargs)
         for (site, _), key in zip(replacements, keys):
             try:
-                worst = _worst_error(self._run(args, kwargs, key, keys), want)
+                got = self._run(args, kwargs, key, keys)
+                worst = _worst_error(got[0], want[0]) or _worst_error(got[1], want[1])
                 problem = worst and (
                     f"outputs or gradients differ from jax.jit by {worst[0]:.3g} (relative; "
                     f"{worst[1]} tolerance {TOLERANCE.get(worst[1], 0.0):g})")
