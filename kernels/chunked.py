@@ -19,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from hlotool.kernels.base import (
@@ -40,7 +39,6 @@ class _Static:
 
     block_q: int
     block_k: int
-    q_len: int  # unpadded; padded query rows are dropped by the caller
     kv_len: int  # unpadded; keys at and beyond it are masked
     causal: bool
 
@@ -268,7 +266,7 @@ class Chunked(AttentionKernel):
         g = hq // hkv
         bq, bk = _block(lq, self.block_q), _block(lk, self.block_k)
         lq_p, lk_p = _cdiv(lq, bq) * bq, _cdiv(lk, bk) * bk
-        st = _Static(bq, bk, lq, lk, call.causal)
+        st = _Static(bq, bk, lk, call.causal)
         # Scaling q (L·D) is cheaper than scaling every score tile (L·L).
         q = (call.q * jnp.asarray(call.scale, call.q.dtype)).reshape(b, lq, hkv, g, d)
         q = _pad_axis(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, lq_p)

@@ -113,7 +113,7 @@ class PallasGpuFlash(AttentionKernel):
 
     def _attend(self, call: Call) -> jax.Array:
         b, lq, hq, d = call.q.shape
-        lk, hkv, dv = call.k.shape[1], call.k.shape[2], call.v.shape[3]
+        lk, dv = call.k.shape[1], call.v.shape[3]
         lq_p, lk_p, segmented = _plan(lq, lk)
         d_p = max(d, dv)
 
