@@ -376,7 +376,25 @@ def replacement(jaxpr: core.Jaxpr, site: JaxprSite, plan: Mapping[str, str | Non
         return jax.lax.platform_dependent(
             *xs, tpu=branch(plan["tpu"]), cuda=branch(plan["cuda"]), default=branch(plan["cpu"]))
 
+    if all(plan.values()):
+        # Kernel branches depend only on this signature; a native branch would carry the
+        # site's own source lines, so it is traced per site.
+        run.cache_key = (tuple(sorted(plan.items())), mesh, _signature(site, inputs))
     return run
+
+
+def _signature(site: JaxprSite, inputs: list[Any]) -> tuple:
+    """Everything the kernel branches of `replacement` read from a site, with variables as
+    positions in `inputs`: equal signatures trace to equal programs."""
+    at = {v: i for i, v in enumerate(inputs)}
+    scales = _bias_scales(site)
+    masks = tuple(
+        (m.kind, at.get(m.var), m.at_shape, m.scores_layout, m.sign, m.fill, m.keep_when,
+         tuple((n.op, n.shape, n.dtype, repr(sorted(n.params.items()))) for n in m.replay))
+        for m in site.masks)
+    return (at[site.q.var], site.q.layout, at[site.k.var], site.k.layout, at[site.v.var],
+            site.v.layout, site.out_layout, site.out.aval, site.scale, site.causal, masks,
+            tuple(scales.get(id(t.at)) for t in site.match.masks))
 
 
 # ----------------------------------------------------------------------------------------

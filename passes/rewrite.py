@@ -98,8 +98,18 @@ def _explicit_sharding(aval: Any) -> Any:
     return sharding if sharding is not None and not sharding.mesh.empty else None
 
 
-def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str) -> core.JaxprEqn:
-    """`fn` traced into one `jit` equation reading `inputs` and defining `out`."""
+def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str,
+                cache: dict[Any, core.JaxprEqn]) -> core.JaxprEqn:
+    """`fn` traced into one `jit` equation reading `inputs` and defining `out`.
+
+    A replacement with a `cache_key` attribute is traced once per key and input types:
+    the 24 identical layers of a model share one traced kernel.
+    """
+    key = getattr(fn, "cache_key", None)
+    if key is not None:
+        key = (key, name, tuple(v.aval for v in inputs))
+        if key in cache:
+            return cache[key].replace(invars=list(inputs), outvars=[out])
 
     def flat(*xs):
         return fn(dict(zip(inputs, xs)))
@@ -114,11 +124,13 @@ def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str) -> core
     if (got.shape, got.dtype) != (want.shape, want.dtype):
         raise RewriteError(f"replacement returns {got.str_short()}, the site defines "
                            f"{want.str_short()}")
+    if key is not None:
+        cache[key] = eqn
     return eqn.replace(invars=list(inputs), outvars=[out])
 
 
 def _substitute(jaxpr: core.Jaxpr, sites: Sequence[tuple[JaxprSite, Replacement]],
-                name: str) -> core.Jaxpr:
+                name: str, cache: dict[Any, core.JaxprEqn]) -> core.Jaxpr:
     drop: set[int] = set()
     placed: dict[int, core.JaxprEqn] = {}
     for site, fn in sites:
@@ -126,7 +138,9 @@ def _substitute(jaxpr: core.Jaxpr, sites: Sequence[tuple[JaxprSite, Replacement]
         if drop & set(site.eqns):
             raise RewriteError("two sites share equations")
         at = next(i for i in site.eqns if site.out in jaxpr.eqns[i].outvars)
-        placed[at] = _traced_eqn(fn, free_inputs(jaxpr, site), site.out, name)
+        traced = _traced_eqn(fn, free_inputs(jaxpr, site), site.out, name, cache)
+        # The call carries the site's own source line, so HLO metadata points at the user.
+        placed[at] = traced.replace(source_info=jaxpr.eqns[at].source_info)
         drop.update(site.eqns)
     eqns = [placed[i] if i in placed else e for i, e in enumerate(jaxpr.eqns)
             if i in placed or i not in drop]
@@ -148,8 +162,8 @@ def _with_sub(eqn: core.JaxprEqn, param: str, new) -> core.JaxprEqn:
 
 
 def _rebuild(jaxpr: core.Jaxpr, here: Path,
-             by_path: Mapping[Path, list[tuple[JaxprSite, Replacement]]], name: str
-             ) -> core.Jaxpr:
+             by_path: Mapping[Path, list[tuple[JaxprSite, Replacement]]], name: str,
+             cache: dict[Any, core.JaxprEqn]) -> core.Jaxpr:
     """`jaxpr` (at `here`) with the sites at and below it substituted; interface kept."""
     deeper: dict[tuple[int, str], None] = {}
     for path in by_path:
@@ -160,12 +174,12 @@ def _rebuild(jaxpr: core.Jaxpr, here: Path,
         for index, param in deeper:
             sub = _sub(eqns[index], param)
             inner = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
-            new = _rebuild(inner, here + ((index, param),), by_path, name)
+            new = _rebuild(inner, here + ((index, param),), by_path, name, cache)
             new = sub.replace(jaxpr=new) if isinstance(sub, core.ClosedJaxpr) else new
             eqns[index] = _with_sub(eqns[index], param, new)
         jaxpr = jaxpr.replace(eqns=eqns)
     if here in by_path:
-        jaxpr = _substitute(jaxpr, by_path[here], name)
+        jaxpr = _substitute(jaxpr, by_path[here], name, cache)
     jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     return jaxpr
 
@@ -182,4 +196,4 @@ def rewrite(closed: core.ClosedJaxpr, replacements: Sequence[tuple[JaxprSite, Re
     by_path: dict[Path, list[tuple[JaxprSite, Replacement]]] = defaultdict(list)
     for site, fn in replacements:
         by_path[site.path].append((site, fn))
-    return closed.replace(jaxpr=_rebuild(closed.jaxpr, (), by_path, name))
+    return closed.replace(jaxpr=_rebuild(closed.jaxpr, (), by_path, name, {}))

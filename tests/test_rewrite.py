@@ -281,3 +281,16 @@ def test_negatives_untouched(fn, args):
     fast = hlotool.flash_jit(fn)
     assert str(fast.trace(*args).jaxpr) == str(jax.jit(fn).trace(*args).jaxpr)
     np.testing.assert_array_equal(fast(*args), jax.jit(fn)(*args))
+
+
+def test_identical_sites_share_one_traced_kernel_and_keep_their_lines():
+    def two_layers(q, k, v):
+        return causal(q, k, v) + causal(q, v, k)
+
+    from jax._src import source_info_util
+
+    calls = [e for e in jax.make_jaxpr(flash._Rewritten(two_layers, "auto"))(Q, K, V).eqns
+             if e.params.get("name") == "hlotool_flash"]
+    assert len(calls) == 2 and calls[0].params["jaxpr"] is calls[1].params["jaxpr"]
+    lines = [source_info_util.user_frame(e.source_info.traceback).start_line for e in calls]
+    assert lines == [attend.__code__.co_firstlineno + 6] * 2  # attend's `return ... softmax`
