@@ -76,8 +76,9 @@ def check(jaxpr: core.Jaxpr, site: JaxprSite) -> None:
     if site.escaping:
         names = ", ".join(sorted(v.aval.str_short(short_dtypes=True) for v in site.escaping))
         raise RewriteError(
-            f"intermediate values of the attention ({names}) are used outside it (returned, "
-            "logged, or read by a gradient computation)")
+            f"intermediate values of the attention ({names}) are used outside it: returned, "
+            "logged, or saved for a gradient taken inside the function (for a train step, "
+            "rewrite the loss instead: jax.grad(flash_jit(loss)))")
     for name, operand in (("q", site.q), ("k", site.k), ("v", site.v)):
         if operand.var is None:
             raise RewriteError(f"{name} is computed inside a call the site only partly covers")
