@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,10 @@ _VIEWS = frozenset({"bitcast", "get-tuple-element", "tuple"})
 ONLINE_SOFTMAX = "online-softmax"
 
 _Key = tuple[str, tuple[tuple[str, int], ...]]  # (op_name, ((file, line), ...))
+# Leading jit/jvp scopes of an op_name: an inlined call's ops print their names relative to
+# the call, the optimized program's in full ("jit(step)/jvp(jit(forward))/exp" → "exp").
+# A backward op keeps its "transpose(...)" scope and so never passes for the forward one.
+_WRAPPERS = re.compile(r"^(?:(?:jit|pjit|jvp)\([^/]*\)(?:/|$))+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,14 +138,15 @@ def _inlined(module: Module) -> Module:
 
 
 def _key(inst: Instruction) -> _Key | None:
-    op_name = inst.metadata.get("op_name")
+    op_name = _WRAPPERS.sub("", inst.metadata.get("op_name", ""))
     if not op_name:
         return None
     try:
         frames = tuple((f.file, f.line) for f in inst.stack)
     except HlotoolError:
-        frames = ()
-    return op_name, frames
+        return None
+    # Without a stack ("select_n", "args[0]") the name alone would match every such op.
+    return (op_name, frames) if frames else None
 
 
 def _score_sized(shape: Shape, site: AttentionSite) -> bool:
@@ -179,13 +185,15 @@ class _Program:
             for o in ops:
                 self.users[o].append(n)
         self.keys = [self._keys(i) for _, i in self.insts]
-        # Values built from constants alone (a broadcast scale, an iota causal mask): inputs
-        # several sites may share, never one site's scores.
+        # Values built from constants alone (a broadcast scale, an iota causal mask) and
+        # parameters: inputs several sites may share, never one site's scores.
         self.constant: set[int] = set()
         for n, (_, inst) in enumerate(self.insts):
             if inst.opcode not in ("parameter", "custom-call") and len(self.operands[n]) == len(
                     inst.operands) and all(o in self.constant for o in self.operands[n]):
                 self.constant.add(n)
+        self.inputs = self.constant | {n for n, (_, i) in enumerate(self.insts)
+                                       if i.opcode == "parameter"}
 
     def _keys(self, inst: Instruction) -> set[_Key]:
         keys = {k for k in [_key(inst)] if k is not None}
@@ -221,7 +229,7 @@ class _Program:
         region = set(anchors)
         region |= (self.reach(anchors, self.users, unknown)
                    & self.reach(anchors, self.operands, unknown))
-        scores = {n for n in unknown - self.constant
+        scores = {n for n in unknown - self.inputs
                   if _score_sized(self.insts[n][1].shape, site)}
         region |= self.reach(region, self.operands, scores)
         sized = [n for n in region if _score_sized(self.insts[n][1].shape, site)]
@@ -252,10 +260,10 @@ def _fates(pre: Module, matches: Sequence[Match], optimized: Module,
     by_name = {i.name: i for i in pre.instructions()}
     site_keys = [{k for n in m.body if n.ref in by_name
                   for k in [_key(by_name[n.ref])] if k is not None} for m in matches]
-    known = {k for i in pre.instructions() for k in [_key(i)] if k is not None}
     program = _Program(optimized)
-    unknown = {n for n, keys in enumerate(program.keys) if not keys & known}
-    anchors = _anchors(program, site_keys)
+    program.keys = _translate(program.keys, pre)
+    unknown = {n for n, keys in enumerate(program.keys) if not keys}
+    anchors = _anchors(program, site_keys, [m.site for m in matches], unknown)
     regions = [program.grow(a, unknown, m.site) if a else set()
                for m, a in zip(matches, anchors)]
     return [
@@ -266,13 +274,38 @@ def _fates(pre: Module, matches: Sequence[Match], optimized: Module,
     ]
 
 
-def _anchors(program: _Program, site_keys: Sequence[set[_Key]]) -> list[set[int]]:
+def _translate(keys: Sequence[set[_Key]], pre: Module) -> list[set[_Key]]:
+    """Each optimized instruction's keys as the pre-optimization keys they stand for.
+
+    An inlined call's instructions record only the frames inside the call, the optimized
+    program the whole stack: a pre-optimization stack matches when it is the innermost
+    part of the optimized one.
+    """
+    by_start: dict[tuple, list[_Key]] = collections.defaultdict(list)
+    for inst in pre.instructions():
+        key = _key(inst)
+        if key is not None:
+            by_start[(key[0], key[1][:1])].append(key)
+    out = []
+    for own in keys:
+        found = set()
+        for op_name, frames in own:
+            for key in by_start.get((op_name, frames[:1]), ()):
+                if frames[:len(key[1])] == key[1]:
+                    found.add(key)
+        out.append(found)
+    return out
+
+
+def _anchors(program: _Program, site_keys: Sequence[set[_Key]],
+             sites: Sequence[AttentionSite], unknown: set[int]) -> list[set[int]]:
     """Top-level instructions carrying each site's metadata.
 
-    An instruction with a key only one site has is that site's. One whose keys several
-    sites share (layers written by one line of code) is decided by program order: such
-    instructions form connected pieces, dealt out to the candidate sites in order (evenly
-    when there are more pieces than sites, as with a layer's forward and backward parts).
+    An instruction with a key only one site has is that site's. Those whose keys several
+    sites share (layers written by one line of code) are grown together into their
+    region, which falls into connected pieces, taken in program order: a piece that reads score-sized values of one candidate's pieces is that
+    site's (a backward pass reading the forward's probabilities); the others are dealt out
+    to the candidates in program order, evenly when there are more pieces than sites.
     """
     anchors: list[set[int]] = [set() for _ in site_keys]
     shared: dict[frozenset[int], set[int]] = collections.defaultdict(set)
@@ -286,10 +319,19 @@ def _anchors(program: _Program, site_keys: Sequence[set[_Key]]) -> list[set[int]
         elif candidates:
             shared[candidates].add(n)
     for candidates, nodes in shared.items():
-        pieces = program.components(nodes)
+        site = min(candidates)
+        pieces = program.components(program.grow(nodes, unknown, sites[site]))
+        piece_of = {n: j for j, piece in enumerate(pieces) for n in piece}
+        root: list[int] = []
+        for j, piece in enumerate(pieces):
+            read = {root[piece_of[o]] for n in piece for o in program.operands[n]
+                    if piece_of.get(o, j) < j
+                    and _score_sized(program.insts[o][1].shape, sites[site])}
+            root.append(read.pop() if len(read) == 1 else j)
+        roots = sorted(set(root))
         order = sorted(candidates)
         for j, piece in enumerate(pieces):
-            anchors[order[j * len(order) // len(pieces)]].update(piece)
+            anchors[order[roots.index(root[j]) * len(order) // len(roots)]].update(piece)
     return anchors
 
 
