@@ -26,6 +26,7 @@ from hlotool.kernels.base import (
     Call,
     Features,
     KernelCost,
+    KernelError,
     Support,
     flash_cost,
     zero_invalid_keys,
@@ -224,8 +225,10 @@ def _flash_bwd(st, residuals, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _pad_axis(x: jax.Array, axis: int, to: int, value=0) -> jax.Array:
-    if x.shape[axis] in (1, to):
+def _pad_axis(x: jax.Array, axis: int, to: int, value=0, *, broadcast: bool = False):
+    """`x` zero-padded (or `value`-padded) along `axis` to length `to`; with `broadcast`, an
+    axis of size 1 is a broadcast one and stays as is."""
+    if x.shape[axis] == to or (broadcast and x.shape[axis] == 1):
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, to - x.shape[axis])
@@ -248,7 +251,7 @@ class Chunked(AttentionKernel):
 
     def __init__(self, block_q: int = 512, block_k: int = 256):
         if block_q % 8 or block_k % 8 or block_q <= 0 or block_k <= 0:
-            raise ValueError(f"block sizes must be positive multiples of 8, got "
+            raise KernelError(f"block sizes must be positive multiples of 8, got "
                              f"block_q={block_q}, block_k={block_k}")
         self.block_q, self.block_k = block_q, block_k
 
@@ -278,7 +281,8 @@ class Chunked(AttentionKernel):
                 return None
             bx, hx, qx, kx = x.shape
             x = x.reshape(bx, hkv if hx == hq else 1, g if hx == hq else 1, qx, kx)
-            return _pad_axis(_pad_axis(x, 3, lq_p, fill), 4, lk_p, fill)
+            x = _pad_axis(x, 3, lq_p, fill, broadcast=True)
+            return _pad_axis(x, 4, lk_p, fill, broadcast=True)
 
         # Padded keys sit at positions >= lk, so clamping the lengths masks them too.
         kv_lengths = None if call.kv_lengths is None else jnp.minimum(call.kv_lengths, lk)

@@ -5,9 +5,10 @@ Upstream takes [B, L, H, D] with equal head counts and one head dim for q, k, v,
 divisible by its blocks (128, or the whole length when shorter), causal masking and ONE
 segment-id array [B, L] indexed by both query and key position. The adapter bridges:
   - layout: transposes from [B, H, L, D] when asked;
-  - lengths: pads Lq and Lk to one common multiple of 128 and gives the padded tail its own
-    segment id. That masks padded keys for every real query only when Lq ≤ Lk (query i and
-    key i share the id at position i), so Lq > Lk needs Lk already a multiple of the block;
+  - lengths: pads Lq and Lk to one common length that power-of-two Triton blocks tile and
+    gives the padded tail its own segment id. That masks padded keys for every real query
+    only when Lq ≤ Lk (query i and key i share the id at position i), so Lq > Lk needs an
+    Lk that is already tileable;
   - head dims: zero-pads D and Dv to one size;
   - GQA/MQA: repeats K/V heads.
 It refuses (with the reason) what one shared segment-id array cannot express: additive bias,
@@ -46,17 +47,22 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _padded(n: int) -> int:
+    """A length upstream's blocks tile: a multiple of 128, or a power of two in [16, 128]
+    (Triton tiles are powers of two; its dots need 16)."""
+    if n % _BLOCK == 0:
+        return n
+    return max(16, 1 << (n - 1).bit_length()) if n <= _BLOCK else _round_up(n, _BLOCK)
+
+
 def _plan(lq: int, lk: int) -> tuple[int, int, bool] | None:
     """(padded Lq, padded Lk, needs segment ids), or None when padding cannot be masked."""
-    fits = lambda n: n <= _BLOCK or n % _BLOCK == 0  # noqa: E731
-    if fits(lq) and fits(lk):
-        return lq, lk, False
-    if lq > lk and not fits(lk):
+    lq_p, lk_p = _padded(lq), _padded(lk)
+    if lk_p == lk:  # only queries are padded; their rows are dropped
+        return lq_p, lk, False
+    if lq > lk:
         return None
-    if lq > lk:  # only the queries need padding; padded query rows are dropped
-        return _round_up(lq, _BLOCK), lk, False
-    common = _round_up(lk, _BLOCK)
-    return common, common, True
+    return lk_p, lk_p, True
 
 
 def _backward_blocks(lq: int, lk: int) -> tuple[int, int] | None:
@@ -97,9 +103,9 @@ class PallasGpuFlash(AttentionKernel):
                               "segment-id array shared by queries and keys)")
         plan = _plan(site.q_len, site.kv_len)
         if plan is None:
-            return Support.no(f"q length {site.q_len} > kv length {site.kv_len}, and kv "
-                              f"length is not a multiple of {_BLOCK}: padded keys cannot be "
-                              "masked")
+            return Support.no(f"q length {site.q_len} > kv length {site.kv_len}, which needs "
+                              "padding to a multiple of 128 or a power of two: padded keys "
+                              "cannot be masked")
         if _backward_blocks(plan[0], plan[1]) is None:
             return Support.no(f"padded lengths q {plan[0]}, kv {plan[1]} split into no equal "
                               "number of power-of-two blocks (upstream's fused backward)")

@@ -83,8 +83,8 @@ def test_supports_reasons():
     assert gpu.supports(site(), kernels.Features(kv_lengths=True)).reason.startswith(
         "kv_lengths unsupported")
     no = gpu.supports(site(q_len=300, kv_len=200))
-    assert no.reason == ("q length 300 > kv length 200, and kv length is not a multiple of "
-                         "128: padded keys cannot be masked")
+    assert no.reason == ("q length 300 > kv length 200, which needs padding to a multiple "
+                         "of 128 or a power of two: padded keys cannot be masked")
     assert chunked.supports(site(mask="boolean", head_dim=192, v_head_dim=80, num_kv_heads=2))
     assert not chunked.supports(site(dtype="int8"))
 

@@ -44,6 +44,7 @@ class Case:
 CASES = [
     Case("causal_lq_ne_lk", lq=96, lk=160, causal=True),
     Case("lq_gt_lk", lq=160, lk=128),
+    Case("single_query", lq=1, lk=5),
     Case("tail_not_multiple_of_128", lq=200, lk=200, scale=None),
     Case("gqa_causal", hq=4, hkv=2, causal=True),
     Case("mqa", hq=4, hkv=1),
