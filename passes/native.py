@@ -13,8 +13,12 @@ custom call, layout converts), so each site's region then grows along the datafl
 instructions with no known metadata: those between two of its instructions, score-sized
 producers before it, and the consumers of its score-sized values (the P·V contraction).
 
-Layers written by the same line of code carry identical metadata; their regions are told
-apart as separate connected pieces of the program, in program order.
+Layers written by the same line of code carry identical metadata. Their instructions are
+grown together and fall into connected pieces: a piece that reads another's score-sized
+values (a backward pass reading the forward's probabilities) goes with it, the others are
+dealt out to the sites in program order. That is a heuristic; a site whose work XLA merged
+with its neighbour's (one fusion holding the end of one layer and the start of the next)
+shows that fusion under one of them only.
 """
 
 from __future__ import annotations
@@ -302,10 +306,11 @@ def _anchors(program: _Program, site_keys: Sequence[set[_Key]],
     """Top-level instructions carrying each site's metadata.
 
     An instruction with a key only one site has is that site's. Those whose keys several
-    sites share (layers written by one line of code) are grown together into their
-    region, which falls into connected pieces, taken in program order: a piece that reads score-sized values of one candidate's pieces is that
-    site's (a backward pass reading the forward's probabilities); the others are dealt out
-    to the candidates in program order, evenly when there are more pieces than sites.
+    sites share (layers written by one line of code) are grown together into a region
+    that falls into connected pieces, taken in program order: a piece that reads the
+    score-sized values of an earlier piece goes with it (a backward pass reading the
+    forward's probabilities); the others are dealt out to the candidates in program
+    order, evenly when there are more pieces than sites.
     """
     anchors: list[set[int]] = [set() for _ in site_keys]
     shared: dict[frozenset[int], set[int]] = collections.defaultdict(set)
