@@ -7,6 +7,7 @@ printing; convenience accessors decode the ones passes need.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Any, NamedTuple
@@ -96,8 +97,9 @@ class StackFrameTable:
     def __bool__(self) -> bool:
         return bool(self.stack_frames or self.file_locations)
 
-    @property
+    @functools.cached_property
     def _parent_offset(self) -> int:
+        # Cached: source lookups resolve every instruction's stack through here.
         return 0 if any(f.get("parent_frame_id") == 0 for f in self.stack_frames.values()) else 1
 
     def frame(self, frame_id: int) -> Frame:
