@@ -354,7 +354,8 @@ def _native_fates(
 
 def _native_table(fates: Sequence[dict[str, NativeFate]]) -> str:
     rows = [
-        [str(i), target, fate.summary(), str(fate.score_buffers)]
+        [str(i), target, fate.summary(), str(fate.score_buffers)
+         + (f" ({fate.score_buffers_on_chip} on chip)" if fate.score_buffers_on_chip else "")]
         for i, by_target in enumerate(fates, 1) for target, fate in by_target.items()
     ]
     return format_table(["#", "target", "fusions and custom calls holding the site",

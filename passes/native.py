@@ -45,6 +45,7 @@ _CONTROL = frozenset({"while", "conditional", "call"})
 # Instructions that only relabel a value (no work, no buffer of their own).
 _VIEWS = frozenset({"bitcast", "get-tuple-element", "tuple"})
 ONLINE_SOFTMAX = "online-softmax"
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 
 _Key = tuple[str, tuple[tuple[str, int], ...]]  # (op_name, ((file, line), ...))
 # Leading jit/jvp scopes of an op_name: an inlined call's ops print their names relative to
@@ -59,12 +60,15 @@ class Placement:
 
     what: "fusion kLoop", "fusion kCustom __ynn_fusion", "custom-call tpu_custom_call
     online-softmax", or the opcode. score_sized: its output is a [.., Lq, Lk] score value.
+    memory_space: where XLA placed that output, from its layout's ``S(n)``: 0 is device
+    memory (HBM); XLA:TPU puts values it keeps on chip (VMEM) in space 1.
     """
 
     name: str
     what: str
     shape: str
     score_sized: bool
+    memory_space: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -84,6 +88,11 @@ class NativeFate:
         return sum(p.score_sized for p in self.placements)
 
     @property
+    def score_buffers_on_chip(self) -> int:
+        """Those of `score_buffers` XLA keeps out of device memory (memory space > 0)."""
+        return sum(p.score_sized and p.memory_space > 0 for p in self.placements)
+
+    @property
     def online_softmax(self) -> bool:
         """Whether XLA:TPU rewrote the site into its own online-softmax custom call."""
         return any(p.what.endswith(ONLINE_SOFTMAX) for p in self.placements)
@@ -100,6 +109,7 @@ class NativeFate:
             "target": self.target,
             "placements": [p.to_json() for p in self.placements],
             "score_buffers": self.score_buffers,
+            "score_buffers_on_chip": self.score_buffers_on_chip,
             "online_softmax": self.online_softmax,
         }
 
@@ -355,7 +365,9 @@ def _placement(inst: Instruction, site: AttentionSite) -> Placement:
             what += f" {op_name}"
     else:
         what = inst.opcode
-    return Placement(inst.name, what, _shape_text(inst.shape), _score_sized(inst.shape, site))
+    space = _MEMORY_SPACE.search(inst.shape.layout or "")
+    return Placement(inst.name, what, _shape_text(inst.shape), _score_sized(inst.shape, site),
+                     int(space.group(1)) if space else 0)
 
 
 def _shape_text(shape: Shape) -> str:

@@ -135,13 +135,17 @@ def test_native_fate_on_tpu_shows_xla_online_softmax_by_layout():
     [fate] = native_fate(f, "tpu-v5e")
     assert fate.online_softmax
     assert "custom-call tpu_custom_call online-softmax" in [p.what for p in fate.placements]
-    # XLA's kernel starts from the QKᵀ output: one [B·H, L, L] score buffer remains.
-    assert [p.shape for p in fate.placements if p.score_sized] == ["bf16[2,1024,1024]"]
+    # XLA's kernel starts from the QKᵀ output: one [B·H, L, L] score buffer remains, kept
+    # on chip (memory space 1, VMEM), not in HBM.
+    assert [(p.shape, p.memory_space) for p in fate.placements if p.score_sized] == [
+        ("bf16[2,1024,1024]", 1)]
+    assert fate.score_buffers_on_chip == 1
     # The same attention in [B, L, H, D] stays ordinary fusions on v5e.
     y = jnp.zeros((1, 1024, 2, 128), jnp.bfloat16)
     [g] = capture_function(jax.jit(BLHD), y, y, y)
     [fate] = native_fate(g, "tpu-v5e")
     assert not fate.online_softmax and fate.score_buffers == 1
+    assert fate.to_json()["score_buffers_on_chip"] == 0  # its scores go through HBM
 
 
 def two_layers(q, k, v):
