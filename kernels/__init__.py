@@ -6,19 +6,14 @@ of each platform (TPU → pallas_tpu, CUDA → pallas_gpu, anything else → chu
 down `PRIORITY` when a kernel is unavailable or refuses the shapes.
 """
 
-import os
-
-# Tests run on the host CPU; with libtpu installed jax would otherwise probe for a TPU.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-from hlotool.kernels.base import (  # noqa: E402
+from hlotool.kernels.base import (
     AttentionKernel,
     Features,
     KernelCost,
     KernelError,
     Support,
 )
-from hlotool.kernels.registry import (  # noqa: E402
+from hlotool.kernels.registry import (
     PRIORITY,
     attention,
     available,
