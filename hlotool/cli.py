@@ -12,13 +12,15 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from hlotool import __version__
 from hlotool.errors import HlotoolError
+from hlotool.hardware import HARDWARE, get_hardware
+from hlotool.table import format_table
 from hlotool.targets import TARGETS, default_jax_platforms
 
 if TYPE_CHECKING:
@@ -289,22 +291,6 @@ def _seconds(f: CapturedFunction) -> str:
     return f"{total:.2f}" + ("" if f.compile_seconds is not None else " (lowered only)")
 
 
-def format_table(
-    headers: Sequence[str], rows: Sequence[Sequence[str]], right_aligned: Collection[int] = ()
-) -> str:
-    """Rows as aligned text columns under a header and a rule."""
-    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if i in right_aligned else c.ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
-
-
 def _inspect_report(
     path: str, targets: Sequence[str], rows: Sequence[tuple[CapturedFunction, dict[str, int]]]
 ) -> dict[str, Any]:
@@ -523,13 +509,42 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
         click.echo(str(report))
 
 
-def _register_cost() -> None:
-    from hlotool.cost.command import command
+@cli.command(
+    short_help="Run SCRIPT and price each attention site natively and with the flash kernel.",
+    epilog="""\b
+Examples:
+  hlotool cost examples/causal_decoder.py --target tpu-v5e --target h100
+  hlotool cost examples/causal_decoder.py:forward --json
+  hlotool cost examples/causal_decoder.py --plot cost.svg --target cpu --target h200
+  hlotool cost examples/causal_decoder.py --measure""",
+)
+@_script_argument
+@click.option("--target", "targets", multiple=True, metavar="NAME",
+              help="Chip to price for; repeat for several (default: cpu). One of: "
+              + ", ".join(HARDWARE) + ". cpu and the TPU v5e/v5p/v6e also get XLA's own "
+              "numbers (TPU compiled deviceless); the others are analytic only.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("--backward", is_flag=True, help="Price forward plus backward (training).")
+@click.option("--no-xla", is_flag=True, help="Skip XLA's numbers (no compiles: faster).")
+@click.option("--measure", is_flag=True,
+              help="Also time native and kernel on this host, each in its own process.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write an SVG of predicted time and HBM bytes vs sequence length.")
+@_fail_cleanly
+def cost(script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as_json: bool,
+         backward: bool, no_xla: bool, measure: bool, plot_path: str | None) -> None:
+    """Run SCRIPT and price each attention site natively and with the flash kernel.
 
-    cli.add_command(command())
+    Per site and target: the analytic model (FLOPs, HBM bytes, roofline time, compute- or
+    memory-bound), XLA's cost_analysis of the naive and kernel programs (* = numbers XLA is
+    known to get wrong there; see --json caveats) and the verdict.
+    """
+    from hlotool.cost.command import cost_report
 
-
-_register_cost()
+    targets = tuple(get_hardware(t).name for t in (targets or ("cpu",)))
+    path, functions = _capture(script, script_args)
+    click.echo(cost_report(path, functions, targets, as_json=as_json, backward=backward,
+                           with_xla=not no_xla, measure=measure, plot_path=plot_path))
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Protocol, Sequence
 
 from hlotool.passes.from_hlo import detect_hlo
 from hlotool.site import AttentionSite
+from hlotool.table import format_table
 
 REPORT_VERSION = 1
 
@@ -65,14 +66,5 @@ def render_sites(sites: Sequence[AttentionSite]) -> str:
     """An aligned text table, one row per site; says so when there are none."""
     if not sites:
         return "no attention sites found"
-    rows = [list(HEADERS)] + [_row(i, s) for i, s in enumerate(sites, 1)]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(HEADERS))]
-    right = {0, 9}
-    lines = []
-    for n, r in enumerate(rows):
-        cells = [c.rjust(w) if i in right else c.ljust(w)
-                 for i, (c, w) in enumerate(zip(r, widths))]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(HEADERS, [_row(i, s) for i, s in enumerate(sites, 1)],
+                        right_aligned={0, 9})

@@ -6,12 +6,11 @@ import json
 import textwrap
 import xml.etree.ElementTree as ET
 
-import click
 import pytest
 from click.testing import CliRunner
 
 from hlotool.cost import xla
-from hlotool.cost.command import command
+from hlotool.cli import cli
 from hlotool.cost.plot import series
 from hlotool.kernels import get
 from hlotool.site import AttentionSite
@@ -31,13 +30,6 @@ SITE = AttentionSite(batch=1, q_len=256, kv_len=256, num_q_heads=2, num_kv_heads
                      head_dim=64, v_head_dim=64, dtype="float32", scale=0.125)
 
 
-@click.group()
-@click.option("--debug", is_flag=True)
-def group(debug: bool) -> None:
-    """Stands in for the `hlotool` group."""
-
-
-group.add_command(command())
 
 
 @pytest.fixture
@@ -48,7 +40,7 @@ def model(tmp_path):
 
 
 def test_json_document(model):
-    result = CliRunner().invoke(group, ["cost", model, "--target", "cpu", "--target", "h100",
+    result = CliRunner().invoke(cli, ["cost", model, "--target", "cpu", "--target", "h100",
                                         "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
@@ -65,7 +57,7 @@ def test_json_document(model):
 
 def test_table_and_plot(model, tmp_path):
     svg = tmp_path / "cost.svg"
-    result = CliRunner().invoke(group, ["cost", model, "--no-xla", "--target", "cpu",
+    result = CliRunner().invoke(cli, ["cost", model, "--no-xla", "--target", "cpu",
                                         "--target", "h200", "--plot", str(svg)])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
@@ -79,7 +71,7 @@ def test_table_and_plot(model, tmp_path):
 
 
 def test_unknown_target_is_one_line(model):
-    result = CliRunner().invoke(group, ["cost", model, "--target", "tpu-v9"])
+    result = CliRunner().invoke(cli, ["cost", model, "--target", "tpu-v9"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         "hlotool: error: unknown target 'tpu-v9'; valid targets: "
