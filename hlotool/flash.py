@@ -25,10 +25,12 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
+from jax._src import core, xla_bridge
 
 from hlotool import kernels
+from hlotool.cost.decision import verdict
 from hlotool.errors import HlotoolError
+from hlotool.hardware import get_hardware
 from hlotool.passes.attention import Layout
 from hlotool.passes.from_jaxpr import JaxprSite, MaskVar, detect_jaxpr, jaxpr_at
 from hlotool.passes.graph import Node, uniform_value
@@ -38,12 +40,15 @@ from hlotool.site import AttentionSite
 # Platforms a decision is made for; "cpu" stands for every platform without its own kernel.
 PLATFORMS = ("cpu", "tpu", "cuda")
 
-# Shortest key length at which `auto` swaps in a kernel, per platform. CPU: measured with
-# benchmarks/flash_jit_bench.py on the 2-core dev machine (2-layer causal decoder, B=1, H=8,
-# D=64, f32): flash_jit/jax.jit time 0.70-1.09 at L=128, 0.93-1.12 at 256 (noise of a
-# shared machine: no gain), 0.57 at 512, 0.30 at 1024. TPU/GPU: one 128-key block, below
-# which a tiled kernel only pads; a placeholder until cost models decide.
-MIN_KV_LEN = {"cpu": 512, "tpu": 128, "cuda": 128}
+# Chip priced for each platform when the process does not run on one (see `target_for`).
+DEFAULT_TARGET = {"cpu": "cpu", "tpu": "tpu-v5e", "cuda": "h100"}
+# Substrings of `Device.device_kind` naming a chip in `hlotool.hardware.HARDWARE`, most
+# specific first ("TPU v5 lite" is a v5e, plain "TPU v5" a v5p; see jax's tpu_info.py).
+_DEVICE_KINDS = {
+    "tpu": (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v6 lite", "tpu-v6e"),
+            ("v6e", "tpu-v6e"), ("v5", "tpu-v5p"), ("v4", "tpu-v4")),
+    "cuda": (("a100", "a100"), ("h100", "h100"), ("h200", "h200")),
+}
 
 # Relative tolerance (max |a - b| / max |b|) for validation, by dtype of the compared output.
 TOLERANCE = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
@@ -57,12 +62,32 @@ class Choice:
     reason: str
 
 
+def running_platform() -> str:
+    """The platform jax executes on in this process, as `lax.platform_dependent` names it
+    ("cpu", "tpu", "cuda", "rocm", ...)."""
+    return xla_bridge.canonicalize_platform(jax.default_backend())
+
+
+@functools.cache
+def target_for(platform: str) -> str:
+    """The `hlotool.hardware` chip that prices `platform`: the attached chip when jax runs on
+    that platform and its `device_kind` names a known one, else `DEFAULT_TARGET[platform]`."""
+    if platform != "cpu" and platform == running_platform():
+        kind = jax.devices()[0].device_kind.lower()
+        for part, target in _DEVICE_KINDS.get(platform, ()):
+            if part in kind:
+                return target
+    return DEFAULT_TARGET[platform]
+
+
 def decide(site: AttentionSite, platform: str, kernel: str = "auto") -> Choice:
     """The single policy deciding whether a kernel runs `site` on `platform`.
 
-    `kernel="auto"`: the platform's preferred kernel (`kernels.select`) once the key length
-    reaches `MIN_KV_LEN[platform]`; a kernel name: that kernel where it runs and supports the
-    site. A cost model can replace this function whole.
+    `kernel="auto"`: the cost model's verdict (`hlotool.cost.decision.verdict`) for the
+    platform's chip (`target_for`); the kernel it prices runs the site where it pays. XLA:TPU's
+    own attention fusion is probed (a deviceless compile, seconds per new shape) only for the
+    platform this process runs on; elsewhere the reason says it was not checked. A kernel
+    name: that kernel where it runs and supports the site.
     """
     if kernel != "auto":
         chosen = kernels.get(kernel)
@@ -70,14 +95,14 @@ def decide(site: AttentionSite, platform: str, kernel: str = "auto") -> Choice:
             return Choice(None, f"{kernel} does not run on {platform}")
         support = chosen.supports(site)
         return Choice(kernel, f"{kernel} requested") if support else Choice(None, support.reason)
-    if site.kv_len < MIN_KV_LEN[platform]:
-        return Choice(None, f"key length {site.kv_len} < {MIN_KV_LEN[platform]}: XLA's native "
-                            f"attention is as fast on {platform}")
-    try:
-        chosen, why = kernels.select(site, platform)
-    except kernels.KernelError as err:
-        return Choice(None, str(err))
-    return Choice(chosen.name, why)
+    hw = get_hardware(target_for(platform))
+    checked = platform == running_platform()
+    v = verdict(site, hw, check_fusion=checked)
+    reason = v.reason if hw.name == platform else f"{v.reason} on {hw.name}"
+    if v.pays and not checked and hw.platform == "tpu" and hw.compile_target is not None:
+        reason += (f", XLA:TPU's own fusion not checked off-TPU (run "
+                   f"`hlotool cost SCRIPT --target {hw.name}`)")
+    return Choice(v.kernel_name if v.pays else None, reason)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,6 +86,14 @@ def test_verdict_short_sequence_keeps_native():
     assert v.reason.startswith("keep native (short sequence")
 
 
+def test_verdict_short_sequence_line_is_512_squared():
+    # benchmarks/flash_jit_bench.py measured the CPU kernel winning from 512 keys, not at 256.
+    assert not verdict(site(256), "cpu").pays
+    assert not verdict(dataclasses.replace(site(512), q_len=511), "cpu").pays
+    v = verdict(site(512), "cpu")
+    assert v.pays and v.kernel_name == "chunked" and v.reason.startswith("kernel pays (×")
+
+
 @pytest.mark.parametrize("target", ["cpu", "h100", "a100", "tpu-v4"])
 def test_verdict_long_sequence_pays(target):
     v = verdict(site(8192), target)

@@ -59,7 +59,8 @@ def test_rewrite_json_short_keys_stay_native(tmp_path):
     (site,) = function["sites"]
     assert (doc["version"], function["function"], site["rewritten"]) == (1, "attention", False)
     assert site["kernels"] == {"cpu": None, "tpu": None, "cuda": None}
-    assert "key length 64 < 512" in site["reason"] and site["site"]["kv_len"] == 64
+    assert site["reason"].startswith("cpu: keep native (short sequence: Lq=64, Lk=64;")
+    assert site["site"]["kv_len"] == 64
 
 
 def test_rewrite_writes_programs_for_tpu(tmp_path):
