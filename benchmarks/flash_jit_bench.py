@@ -150,8 +150,8 @@ def trace_overhead(layers: int = 24, lengths: tuple[int, ...] = (128, 512),
 
     import hlotool
 
-    print(f"\n3. trace time, {layers}-layer unrolled decoder (best of {repeats}); at L=128 the "
-          "cpu branch stays native, at L=512 every platform runs a kernel")
+    print(f"\n3. trace time, {layers}-layer unrolled decoder (best of {repeats}); at L=128 every "
+          "platform stays native (short sequence), at L=512 every platform runs a kernel")
     rows = [["L", "jax.make_jaxpr s", "flash_jit(fn).trace s", "rewrite overhead s", "sites",
              "rewritten"]]
     for length in lengths:

@@ -15,7 +15,7 @@ from hlotool.cli import cli
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None,
                                reason="graphviz `dot` not installed (apt-get install graphviz)")
 
-# L = 512 reaches flash_jit's MIN_KV_LEN on every platform, so the site is rewritten.
+# At L = 512 the cost verdict picks the kernel on every platform, so the site is rewritten.
 MODEL = """\
 import jax, jax.numpy as jnp
 
