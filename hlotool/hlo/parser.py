@@ -58,8 +58,9 @@ def _nested(depth: int) -> str:
 # precise scanner.
 _NEST = _nested(3)
 _SHAPE = r"(?:\(" + _NEST + r"\)|[a-z][a-z0-9]*\[[^\]]*\](?:\{[^{}]*\})?)"
+# The last group is the attribute text after the operands, checked separately.
 _INSTRUCTION_RE = re.compile(
-    r"\s*(ROOT\s+)?%?(" + _NAME + r")\s*=\s*(" + _SHAPE + r")\s*([a-z][\w\-]*)\(([^()]*)\)",
+    r"\s*(ROOT\s+)?%?(" + _NAME + r")\s*=\s*(" + _SHAPE + r")\s*([a-z][\w\-]*)\(([^()]*)\)(.*)",
     re.ASCII,
 )
 # A value is a run of words, quoted strings and bracketed groups; a blank may only lead
@@ -81,7 +82,7 @@ _SHAPES: dict[str, Shape] = {}
 _CALL_KEYS = frozenset(CALLED_COMPUTATION_ATTRS)
 _OPERAND_RE = re.compile(r"\s*(?:(" + _SHAPE + r")\s+)?%?(" + _NAME + r")\s*(?:,|$)", re.ASCII)
 _COMPUTATION_RE = re.compile(
-    r"\s*(ENTRY\s+)?%?(" + _NAME + r")\s*(\(.*\)\s*->.*?)?\s*\{\s*$", re.ASCII
+    r"\s*(ENTRY\s+)?%?(" + _NAME + r")\s*(\(.*\)\s*->(?:.*\S)?)?\s*\{\s*$", re.ASCII
 )
 _HEADER_RE = re.compile(r"\s*HloModule\s+(" + _NAME + r")", re.ASCII)
 _TABLE_ROW_RE = re.compile(r"\s*(\d+)\s+(.*?)\s*$", re.ASCII)
@@ -142,8 +143,12 @@ class _ModuleParser:
         self.src = source
         self.lines = source.lines
         self.pos = 0  # index of the next line to read
-        self.callers: list[Instruction] = []  # instructions that name computations
+        self.called: list[str] = []  # computations named by `calls=`, `to_apply=`, ...
         self.table_line = 0  # where the first debug table starts, for table errors
+        # Attribute text after `opcode(...)` → `_tail_attributes` of it. Lines repeat their
+        # tails a lot (the same metadata, dims and layouts in every layer; most post-opt
+        # lines have none), so each distinct tail is scanned once per module.
+        self.tails: dict[str, tuple[dict[str, str] | None, list[str]]] = {}
 
     def parse(self) -> Module:
         name, attributes = self._header()
@@ -180,7 +185,8 @@ class _ModuleParser:
         if problem:
             raise self.src.error(f"inconsistent debug tables: {problem}", self.table_line or 1, 1)
         module = Module(name, computations, attributes, table, self.src.name)
-        _check_calls(module, self.callers, self.src)
+        if not computations.keys() >= set(self.called):
+            _check_calls(module, self.src)
         return module
 
     # -- module header and debug tables ---------------------------------------------------
@@ -269,10 +275,10 @@ class _ModuleParser:
         use = used.extend
         roots: list[Instruction] = []
         params: list[int] = []
-        no_calls = _CALL_KEYS.isdisjoint
+        call = self.called.extend
         match_instruction = _INSTRUCTION_RE.match
-        find_attributes = _ATTRIBUTES_RE.findall
         shapes = _SHAPES
+        tails = self.tails
         lines = self.lines
         n_lines = len(lines)
         pos = self.pos
@@ -289,12 +295,14 @@ class _ModuleParser:
             # the parser's hot loop, hence written out here rather than in a helper.
             m = match_instruction(text)
             if m is not None:
-                root, name, shape_text, opcode, inside = m.groups()
-                found = find_attributes(text, m.end())
-                attributes = dict(found)
+                root, name, shape_text, opcode, inside, tail = m.groups()
+                known = tails.get(tail)
+                if known is None:
+                    known = tails[tail] = _tail_attributes(tail)
+                template, callees = known
                 shape = shapes.get(shape_text) or _new_shape(shape_text)
-                # A bad shape, a repeated key or a stray character ("" key) → precise path.
-                if shape is not None and len(attributes) == len(found) and "" not in attributes:
+                # A bad shape or malformed attributes (None template) → precise path.
+                if shape is not None and template is not None:
                     literal = parameter_number = None
                     operands: list[str] = []
                     ok = True
@@ -318,7 +326,7 @@ class _ModuleParser:
                             opcode,
                             shape,
                             operands,
-                            attributes,
+                            template.copy(),
                             (),
                             literal,
                             parameter_number,
@@ -330,8 +338,8 @@ class _ModuleParser:
                         use(operands)
                         if root is not None:
                             roots.append(inst)
-                        if not no_calls(attributes):
-                            self.callers.append(inst)
+                        if callees:
+                            call(callees)
                         continue
             stripped = text.strip()
             if stripped == "}":
@@ -354,8 +362,7 @@ class _ModuleParser:
                 roots.append(inst)
             if inst.parameter_number is not None:
                 params.append(inst.parameter_number)
-            if not no_calls(inst.attributes):
-                self.callers.append(inst)
+            call(inst.called_computations)
         self.pos = pos
         if not instructions:
             raise self.src.error(f"computation {comp_name!r} has no instructions", line_no, 1)
@@ -368,7 +375,14 @@ class _ModuleParser:
             line_no,
             by_name,
         )
-        _check_computation(comp, self.src, used, roots, params)
+        # The common, clean case in a few C-level calls; the helper finds what is wrong.
+        if (
+            len(by_name) != len(instructions)
+            or not by_name.keys() >= set(used)
+            or len(roots) > 1
+            or (params and sorted(params) != list(range(len(params))))
+        ):
+            _check_computation(comp, self.src, used, roots, params)
         return comp
 
     def _statement(self) -> str:
@@ -410,6 +424,21 @@ def _new_shape(text: str) -> Shape | None:
     except ShapeError:
         return None
     return shape
+
+
+def _tail_attributes(tail: str) -> tuple[dict[str, str] | None, list[str]]:
+    """The attributes in the text after an instruction's operands, and the computations
+    they name (as `Instruction.called_computations`); (None, []) when the text is not a
+    clean `, key=value` list (a stray character yields a "" key; a key given twice) and
+    the line needs the precise scanner. The dict is a template: each instruction gets a
+    copy."""
+    found = _ATTRIBUTES_RE.findall(tail)
+    attributes = dict(found)
+    if len(attributes) != len(found) or "" in attributes:
+        return None, []
+    return attributes, [
+        n for key, value in attributes.items() if key in _CALL_KEYS for n in split_names(value)
+    ]
 
 
 def _blank_comments(text: str) -> str:
@@ -721,9 +750,9 @@ def _check_computation(
                 )
 
 
-def _check_calls(module: Module, callers: list[Instruction], src: _Source) -> None:
-    """Every computation named by `calls=`, `to_apply=`, ... exists."""
-    for inst in callers:
+def _check_calls(module: Module, src: _Source) -> None:
+    """Names the first instruction whose `calls=`, `to_apply=`, ... names no computation."""
+    for inst in module.instructions():
         for key in inst.attributes.keys() & _CALL_KEYS:
             for callee in split_names(inst.attributes[key]):
                 if callee not in module.computations:
