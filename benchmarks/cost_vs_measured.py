@@ -41,7 +41,7 @@ def main() -> None:
     if a.calibrate:
         hw = measure_host()
         print(f"matmul {hw.matmul_flops['float32'] / 1e9:.1f} GFLOP/s, "
-              f"streaming {hw.hbm_bandwidth / 1e9:.2f} GB/s")
+              f"unfused attention {hw.hbm_bandwidth / 1e9:.2f} GB/s")
         return
     print(f"B=1 H={a.heads} D={a.dim} float32, target {a.target}, median of {a.repeats}")
     print(f"{'L':>6} {'pred native':>12} {'pred kernel':>12} {'pred ratio':>10} "

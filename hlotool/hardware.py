@@ -7,11 +7,12 @@ system-architecture pages; GPU figures are NVIDIA's datasheets (SXM parts), with
 shared memory from the CUDA C++ Programming Guide's compute-capability table, which XLA's
 GPU specs (`xla/tools/hlo_opt/gpu_specs/*.txtpb`) also record.
 
-`cpu` is this host, not a product: a 2-core AMD EPYC VM. Its figures were measured here with
-`benchmarks/cost_vs_measured.py --calibrate` (an XLA:CPU matmul of attention-block shape, and
-an XLA:CPU elementwise op streaming into a freshly allocated buffer, which is what an unfused
-op does); they are what XLA achieves on this host, not the silicon's peak, and another host
-should re-measure them (`measure_host`).
+`cpu` is this host, not a product: a 2-core AMD EPYC VM. Its figures were measured here, on
+an otherwise idle machine, with `benchmarks/cost_vs_measured.py --calibrate` (`measure_host`:
+an XLA:CPU matmul of attention-block shape, and the rate at which XLA:CPU's naive attention
+moves the bytes the model counts, which its exp/reduce loops bound well below DRAM speed);
+six runs gave 68–139 GFLOP/s and 2.4–4.2 GB/s, the rows hold round medians. They are what
+XLA achieves on this host, not the silicon's peak; another host should re-measure them.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ HARDWARE: dict[str, Hardware] = {
     for h in (
         Hardware(
             "cpu", "this host: 2-core AMD EPYC VM, XLA:CPU (measured, see module docstring)",
-            "cpu", {"float32": 47e9, "bfloat16": 47e9}, 24 * 1024**3, 1.6e9,
+            "cpu", {"float32": 110e9, "bfloat16": 110e9}, 24 * 1024**3, 2.5e9,
             1 * _MIB, "L2 per core", 1, "cpu",
             ("measured: benchmarks/cost_vs_measured.py --calibrate (median of 5, jax 0.10.2)",),
         ),
@@ -131,11 +132,16 @@ def get_hardware(name: str | Hardware) -> Hardware:
         ) from None
 
 
-def measure_host(repeats: int = 5) -> Hardware:
-    """The `cpu` entry with its matmul rate and streaming bandwidth measured on this host.
+def measure_host(repeats: int = 9) -> Hardware:
+    """The `cpu` entry with its matmul rate and unfused-attention bandwidth measured on this host.
 
     Matmul: a [8, 1024, 64] x [8, 64, 512] f32 batched dot (one attention tile per head).
-    Bandwidth: `x + 1` over 64 Mi f32 into a fresh buffer, bytes read plus written.
+    Bandwidth: on XLA:CPU the unfused softmax passes are bound by their exp/reduce loops, not
+    by DRAM (a plain `x + 1` streams ~3x faster), so the figure the roofline needs is the rate
+    at which the naive attention moves the bytes the model counts for it: the naive formula at
+    q, k, v [1, 2048, 4, 64] f32, its matmul time at the rate above taken off, over the
+    model's native bytes (`hlotool.cost.model.native_phases`: S written, S read and P written,
+    P read, plus q, k, v, o).
     """
     import jax
     import jax.numpy as jnp
@@ -152,8 +158,19 @@ def measure_host(repeats: int = 5) -> Hardware:
     a, b = jnp.ones((8, 1024, 64), jnp.float32), jnp.ones((8, 512, 64), jnp.float32)
     dot = jax.jit(lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b))
     flops = 2 * 8 * 1024 * 512 * 64 / median_seconds(dot, a, b)
-    x = jnp.ones((64 * _MIB,), jnp.float32)
-    bandwidth = 2 * x.nbytes / median_seconds(jax.jit(lambda x: x + 1), x)
+
+    length, heads, dim = 2048, 4, 64
+    x = jnp.ones((1, length, heads, dim), jnp.float32)
+
+    @jax.jit
+    def naive(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * dim**-0.5, axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    score_bytes = heads * length * length * 4
+    moved = 4 * score_bytes + 4 * x.nbytes
+    matmul_seconds = 2 * (2 * heads * length * length * dim) / flops
+    bandwidth = moved / max(median_seconds(naive, x, x, x) - matmul_seconds, 1e-9)
     return dataclasses.replace(
         HARDWARE["cpu"], matmul_flops={"float32": flops, "bfloat16": flops},
         hbm_bandwidth=bandwidth, sources=("measure_host() just now",),
