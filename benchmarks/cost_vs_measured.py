@@ -1,76 +1,170 @@
-"""Predicted vs measured native/kernel ratio on this host (the cost model's acceptance check).
+"""Predicted vs measured native/kernel ratio (the cost model's acceptance check).
 
-For each sequence length: the analytic roofline time of native (naive formula) and kernel
-(the host's flash kernel, chunked on CPU) on `--target` (default cpu), and the median wall
-time and peak RSS of each, each side in its own process. A side whose predicted memory
-exceeds --limit-gb is skipped with a note. Done when predicted and measured ratios agree
-within 2x.
+For each sequence length: the analytic roofline time of native (naive formula) and kernel on
+`--target`, and the median wall time and peak memory of each, each side in its own process
+(`hlotool.cost.measure`), with the relative error of the predicted ratio against the measured
+one. A side whose predicted memory exceeds --limit-gb is skipped with a note. Done when
+predicted and measured ratios agree within 2x.
+
+--platform cpu (default): this host's XLA:CPU, the chunked kernel, float32, target `cpu`,
+peak RSS. --platform cuda: the first CUDA GPU, the Pallas GPU (Triton) kernel `pallas_gpu`
+on [B, L, H, D], bfloat16, target `h200`, peak device memory (`memory_stats()`); exits with
+status 2 when jax has no CUDA device. --dry-run runs the cuda path's children on the CPU
+with the Pallas kernel in interpret mode at a tiny shape: it checks the plumbing, its times
+mean nothing.
 
     python benchmarks/cost_vs_measured.py                      # L = 2K..16K, B=1, H=4, D=64
     python benchmarks/cost_vs_measured.py --lengths 2048 4096 --heads 8
     python benchmarks/cost_vs_measured.py --calibrate          # re-measure the cpu figures
-
-On a GPU host (e.g. H200, jax with CUDA): `--target h200 --platform cuda` times the Pallas GPU
-kernel instead of chunked; not run here (no GPU in this session).
+    python benchmarks/cost_vs_measured.py --platform cuda      # on an H200, jax[cuda]
+    python benchmarks/cost_vs_measured.py --dry-run            # the cuda path, on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-from hlotool.cost.measure import measure, predicted_bytes  # noqa: E402
-from hlotool.cost.model import analytic  # noqa: E402
-from hlotool.errors import HlotoolError  # noqa: E402
-from hlotool.hardware import measure_host  # noqa: E402
-from hlotool.site import AttentionSite  # noqa: E402
+NO_CUDA = "no CUDA device: jax.devices('gpu') is empty — run this on a GPU machine"
+DRY_LENGTHS, DRY_HEADS = [128, 256], 2
 
 
-def main() -> None:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--platform", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the cuda path on the CPU (Pallas interpret mode, tiny shapes)")
+    p.add_argument("--lengths", type=int, nargs="+")
+    p.add_argument("--heads", type=int)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--target", default="cpu")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--limit-gb", type=float, default=12.0)
-    p.add_argument("--calibrate", action="store_true", help="print measure_host() and exit")
-    a = p.parse_args()
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--target", help="hardware row to predict with: default cpu, or h200 on cuda")
+    p.add_argument("--repeats", type=int, help="timed runs per side: default 3 (cpu), 20 (cuda)")
+    p.add_argument("--limit-gb", type=float,
+                   help="skip a side predicted to need more: default 12 (cpu), 90%% of the "
+                        "target's HBM (cuda)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="print measure_host() (cpu figures) and exit")
+    a = p.parse_args(argv)
+    if a.dry_run:
+        a.platform = "cuda"
+    cuda = a.platform == "cuda"
+    a.lengths = a.lengths or (DRY_LENGTHS if a.dry_run else [2048, 4096, 8192, 16384])
+    a.heads = a.heads or (DRY_HEADS if a.dry_run else 4)
+    a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
+    a.target = a.target or ("h200" if cuda else "cpu")
+    a.repeats = a.repeats or (2 if a.dry_run else 20 if cuda else 3)
+    return a
+
+
+def _cuda_devices() -> list:
+    import jax
+
+    try:
+        return jax.devices("gpu")
+    except Exception:  # jax without a CUDA plugin, or one that finds no device
+        return []
+
+
+def _row(n: int, pn: float, pk: float, got: dict, skip_note: str) -> tuple[str, float | None]:
+    """One length's line (predictions, measurements or why not, ratio error, agreement) and
+    the ratio error (None when a side was not measured)."""
+    head = f"{n:>6} {pn:>11.4g}s {pk:>11.4g}s {pn / pk:>10.2f}"
+    errors = [m for m in got.values() if isinstance(m, Exception)]
+    if errors:
+        return f"{head}  skipped: {'; '.join(str(e) for e in errors)} ({skip_note})", None
+    native, kernel = got["native"], got["kernel"]
+    mr = native.seconds / kernel.seconds
+    err = _ratio_error(pn / pk, mr)
+    agree = "yes" if 0.5 <= (pn / pk) / mr <= 2 else "NO"
+    return (f"{head} {native.seconds:>11.4g}s {kernel.seconds:>11.4g}s {mr:>10.2f} "
+            f"{err:>+9.0%} {native.peak_bytes / 1e9:>9.3f}G {kernel.peak_bytes / 1e9:>9.3f}G "
+            f"{agree:>6}"), err
+
+
+def _ratio_error(predicted: float, measured: float) -> float:
+    """Relative error of the predicted native/kernel ratio against the measured one."""
+    return (predicted - measured) / measured
+
+
+def _header(a: argparse.Namespace, device: str, memory: str) -> str:
+    lines = [f"B=1 H={a.heads} D={a.dim} {a.dtype}, {device}, target {a.target}, "
+             f"median of {a.repeats}; memory: {memory}",
+             f"{'L':>6} {'pred native':>12} {'pred kernel':>12} {'pred ratio':>10} "
+             f"{'meas native':>12} {'meas kernel':>12} {'meas ratio':>10} {'ratio err':>9} "
+             f"{'mem native':>10} {'mem kernel':>10} {'agree':>6}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    on_gpu = a.platform == "cuda" and not a.dry_run
+    if on_gpu:
+        # Asked for the GPU explicitly: let jax see it, and keep this process from reserving
+        # most of its memory (the children measure there).
+        os.environ["JAX_PLATFORMS"] = "cuda"
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    from hlotool.cost.measure import measure, predicted_bytes
+    from hlotool.cost.model import analytic
+    from hlotool.errors import HlotoolError
+    from hlotool.hardware import get_hardware, measure_host
+    from hlotool.site import AttentionSite
+
     if a.calibrate:
         hw = measure_host()
         print(f"matmul {hw.matmul_flops['float32'] / 1e9:.1f} GFLOP/s, "
               f"unfused attention {hw.hbm_bandwidth / 1e9:.2f} GB/s")
-        return
-    print(f"B=1 H={a.heads} D={a.dim} float32, target {a.target}, median of {a.repeats}")
-    print(f"{'L':>6} {'pred native':>12} {'pred kernel':>12} {'pred ratio':>10} "
-          f"{'meas native':>12} {'meas kernel':>12} {'meas ratio':>10} {'RSS native':>10} "
-          f"{'RSS kernel':>10} {'agree':>6}")
+        return 0
+    try:
+        target = get_hardware(a.target)
+    except HlotoolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if on_gpu:
+        devices = _cuda_devices()
+        if not devices:
+            print(NO_CUDA, file=sys.stderr)
+            return 2
+        device, memory = f"{devices[0].device_kind} (pallas_gpu)", "peak GPU bytes in use"
+    elif a.dry_run:
+        device = "DRY RUN: pallas_gpu in interpret mode on the CPU, times mean nothing"
+        memory = "peak RSS (no device memory stats on the CPU)"
+    else:
+        device, memory = "this host's CPU (chunked)", "peak RSS"
+    limit_gb = a.limit_gb or (0.9 * target.hbm_bytes / 1e9 if a.platform == "cuda" else 12.0)
+
+    print(_header(a, device, memory), flush=True)
+    errors = []
     for n in a.lengths:
         site = AttentionSite(batch=1, q_len=n, kv_len=n, num_q_heads=a.heads,
                              num_kv_heads=a.heads, head_dim=a.dim, v_head_dim=a.dim,
-                             dtype="float32", scale=a.dim ** -0.5)
-        pn, pk = (analytic(site, a.target, s).seconds for s in ("native", "kernel"))
+                             dtype=a.dtype, scale=a.dim ** -0.5)
+        pn, pk = (analytic(site, target, s).seconds for s in ("native", "kernel"))
         got = {}
         for side in ("native", "kernel"):
             try:
                 got[side] = measure(site, side, repeats=a.repeats,
-                                    limit_bytes=int(a.limit_gb * 1e9))
+                                    limit_bytes=int(limit_gb * 1e9), platform=a.platform,
+                                    interpret=a.dry_run)
             except HlotoolError as e:
                 got[side] = e
-        if all(not isinstance(m, Exception) for m in got.values()):
-            mr = got["native"].seconds / got["kernel"].seconds
-            agree = "yes" if 0.5 <= (pn / pk) / mr <= 2 else "NO"
-            print(f"{n:>6} {pn:>11.3f}s {pk:>11.3f}s {pn / pk:>10.2f} "
-                  f"{got['native'].seconds:>11.3f}s {got['kernel'].seconds:>11.3f}s {mr:>10.2f} "
-                  f"{got['native'].peak_rss_bytes / 1e9:>9.2f}G "
-                  f"{got['kernel'].peak_rss_bytes / 1e9:>9.2f}G {agree:>6}")
-        else:
-            why = "; ".join(str(m) for m in got.values() if isinstance(m, Exception))
-            print(f"{n:>6} {pn:>11.3f}s {pk:>11.3f}s {pn / pk:>10.2f}  skipped: {why} "
-                  f"(native predicted {predicted_bytes(site, 'native') / 1e9:.1f} GB)")
+        note = f"native predicted {predicted_bytes(site, 'native') / 1e9:.1f} GB"
+        line, err = _row(n, pn, pk, got, note)
+        if err is not None:
+            errors.append(err)
+        print(line, flush=True)
+    if errors:
+        mags = [abs(e) for e in errors]
+        print(f"ratio error (predicted vs measured): median {statistics.median(mags):.0%}, "
+              f"max {max(mags):.0%} over {len(mags)} lengths")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

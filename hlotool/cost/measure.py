@@ -1,7 +1,15 @@
 """Measured: time and peak memory of the native and kernel probe programs on this host, each
-side in its own process (so one side's peak RSS cannot hide the other's), median of repeats.
+side in its own process (so one side's peak memory cannot hide the other's), median of repeats
+after warm-up calls (compile excluded), each call ended by `block_until_ready`.
 
-Run as `python -m hlotool.cost.measure SITE_JSON SIDE REPEATS`; prints one JSON line.
+platform "cpu" (default) times the CPU's kernel (chunked) on XLA:CPU; "cuda" times the Pallas
+GPU kernel (`hlotool.kernels.get("pallas_gpu")`) on the first CUDA device and also reports
+its peak device memory (`memory_stats()["peak_bytes_in_use"]`). `interpret=True` runs the
+cuda child on the CPU with the Pallas kernel in interpret mode: a plumbing check, never a
+timing.
+
+Run as `python -m hlotool.cost.measure SITE_JSON SIDE REPEATS [OPTIONS_JSON]`; prints one
+JSON line.
 """
 
 from __future__ import annotations
@@ -13,23 +21,37 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hlotool.errors import HlotoolError
 from hlotool.site import AttentionSite
 
+if TYPE_CHECKING:
+    from hlotool.kernels import AttentionKernel
+
 # Keep a child under this much predicted memory: the machine is shared.
 DEFAULT_LIMIT_BYTES = 12 * 10**9
+PLATFORMS = ("cpu", "cuda")
+# The kernel a platform's child times (cpu: whatever `kernel_for` picks for the host).
+_KERNEL = {"cuda": "pallas_gpu"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """Median wall seconds of a jitted call (compile excluded) and the child's peak RSS."""
+    """Median wall seconds of a jitted call (compile excluded), the child's peak RSS and, on a
+    device that reports it, its peak device memory in use (None otherwise)."""
 
     side: str
     seconds: float
     peak_rss_bytes: int
     repeats: int
+    platform: str = "cpu"
+    peak_device_bytes: int | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak device memory where known, else peak RSS."""
+        return self.peak_rss_bytes if self.peak_device_bytes is None else self.peak_device_bytes
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -48,15 +70,26 @@ def predicted_bytes(site: AttentionSite, side: str) -> int:
 
 
 def measure(site: AttentionSite, side: str, *, repeats: int = 3,
-            limit_bytes: int = DEFAULT_LIMIT_BYTES, timeout: float = 600) -> Measurement:
-    """Time `side` ("native" or "kernel", the host's kernel) of `site` in a child process."""
+            limit_bytes: int = DEFAULT_LIMIT_BYTES, timeout: float = 600,
+            platform: str = "cpu", interpret: bool = False) -> Measurement:
+    """Time `side` ("native" or "kernel", the platform's kernel) of `site` in a child process.
+
+    platform: "cpu" or "cuda" (see the module docstring); interpret: run the cuda child on the
+    CPU with the kernel in Pallas interpret mode (a correctness check of the plumbing).
+    """
+    if platform not in PLATFORMS:
+        raise HlotoolError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
     need = predicted_bytes(site, side)
     if need > limit_bytes:
         raise HlotoolError(f"{side} would need ~{need / 1e9:.1f} GB (limit "
                            f"{limit_bytes / 1e9:.1f} GB): not measured")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    on_device = platform == "cuda" and not interpret
+    env = {**os.environ, "JAX_PLATFORMS": "cuda" if on_device else "cpu"}
+    if on_device:  # grow on demand: the parent may hold a context on the same GPU
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    options = {"platform": platform, "interpret": interpret}
     cmd = [sys.executable, "-m", "hlotool.cost.measure", json.dumps(site.to_json()), side,
-           str(repeats)]
+           str(repeats), json.dumps(options)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -65,7 +98,8 @@ def measure(site: AttentionSite, side: str, *, repeats: int = 3,
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise HlotoolError(f"measuring {side} failed: {last}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    return Measurement(side, out["seconds"], out["peak_rss_bytes"], repeats)
+    return Measurement(side, out["seconds"], out["peak_rss_bytes"], repeats, platform,
+                       out.get("peak_device_bytes"))
 
 
 def _site_from_json(doc: dict[str, Any]) -> AttentionSite:
@@ -74,27 +108,47 @@ def _site_from_json(doc: dict[str, Any]) -> AttentionSite:
     return AttentionSite(**kw)
 
 
-def _child(site: AttentionSite, side: str, repeats: int) -> dict[str, Any]:
+def _kernel(site: AttentionSite, platform: str, interpret: bool) -> AttentionKernel:
+    from hlotool.cost.model import kernel_for
+    from hlotool.hardware import HARDWARE
+    from hlotool.kernels import KernelError, get
+
+    if platform == "cpu":
+        return kernel_for(site, HARDWARE["cpu"])
+    kernel = get(_KERNEL[platform])
+    support = kernel.supports(site)
+    if not support:
+        raise KernelError(f"{kernel.name} does not take this site: {support.reason}")
+    return type(kernel)(interpret=True) if interpret else kernel
+
+
+def _child(site: AttentionSite, side: str, repeats: int, platform: str = "cpu",
+           interpret: bool = False) -> dict[str, Any]:
     import jax
 
-    from hlotool.cost.model import kernel_for
     from hlotool.cost.xla import example_arrays, kernel_program, naive_program
-    from hlotool.hardware import HARDWARE
 
+    if platform == "cuda" and not interpret and jax.devices()[0].platform != "gpu":
+        raise HlotoolError(f"no CUDA device in the child: {jax.devices()}")
     fn, args = (naive_program(site) if side == "native"
-                else kernel_program(site, kernel_for(site, HARDWARE["cpu"])))
+                else kernel_program(site, _kernel(site, platform, interpret)))
     arrays = example_arrays(args)
     f = jax.jit(fn)
-    f(*arrays).block_until_ready()
+    for _ in range(1 if platform == "cpu" else 3):  # compile; on a GPU also settle clocks
+        f(*arrays).block_until_ready()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         f(*arrays).block_until_ready()
         times.append(time.perf_counter() - start)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return {"seconds": sorted(times)[len(times) // 2], "peak_rss_bytes": rss}
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"seconds": sorted(times)[len(times) // 2], "peak_rss_bytes": rss,
+            "peak_device_bytes": stats.get("peak_bytes_in_use")}
 
 
 if __name__ == "__main__":
     site_doc, side_arg, repeats_arg = sys.argv[1:4]
-    print(json.dumps(_child(_site_from_json(json.loads(site_doc)), side_arg, int(repeats_arg))))
+    opts = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    print(json.dumps(_child(_site_from_json(json.loads(site_doc)), side_arg, int(repeats_arg),
+                            opts.get("platform", "cpu"), opts.get("interpret", False))))
