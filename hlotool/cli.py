@@ -215,12 +215,7 @@ def dump(
     path, functions = _capture(script, script_args)
     for f in functions:
         file = os.path.join(output, f.stage_filename(stage, compile_target))
-        text = f.stage_text(stage, compile_target)
-        try:
-            with open(file, "w") as out:
-                out.write(text)
-        except OSError as e:
-            raise HlotoolError(f"cannot write {file}: {e.strerror or e}") from e
+        _write_text(file, f.stage_text(stage, compile_target))
         click.echo(file)
     click.echo(
         f"wrote {len(functions)} file{'s' if len(functions) != 1 else ''} ({stage}, "
@@ -248,6 +243,14 @@ def _split_script(script: str) -> tuple[str, str | None]:
     if not pattern:
         raise HlotoolError(f"empty function name after ':' in {script!r}")
     return path, pattern
+
+
+def _write_text(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as out:
+            out.write(text)
+    except OSError as e:
+        raise HlotoolError(f"cannot write {path}: {e.strerror or e}") from e
 
 
 def _ensure_writable_dir(path: str) -> None:
@@ -407,11 +410,7 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
             click.echo(file)
     elif output is not None:
         page = render.html_report(diffs, hops, title=f"hlotool diff {os.path.basename(path)}")
-        try:
-            with open(output, "w") as out:
-                out.write(page)
-        except OSError as e:
-            raise HlotoolError(f"cannot write {output}: {e.strerror or e}") from e
+        _write_text(output, page)
         click.echo(output)
     else:
         click.echo(render.text_summary(diffs), nl=False)
@@ -495,11 +494,7 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
         if output is not None:
             stem, _, rest = f.stage_filename(stage, compile_target).partition(".")
             file = os.path.join(output, f"{stem}.flash.{rest}")
-            try:
-                with open(file, "w") as out:
-                    out.write(rewritten.stage_text(stage, compile_target))
-            except OSError as e:
-                raise HlotoolError(f"cannot write {file}: {e.strerror or e}") from e
+            _write_text(file, rewritten.stage_text(stage, compile_target))
             click.echo(file, err=as_json)
     if as_json:
         click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,
