@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hlotool import __version__
-from hlotool.errors import HlotoolError
+from hlotool.errors import HlotoolError, write_output
 from hlotool.hardware import HARDWARE, get_hardware
 from hlotool.table import format_table
 from hlotool.targets import TARGETS, default_jax_platforms
@@ -215,7 +215,7 @@ def dump(
     path, functions = _capture(script, script_args)
     for f in functions:
         file = os.path.join(output, f.stage_filename(stage, compile_target))
-        _write_text(file, f.stage_text(stage, compile_target))
+        write_output(file, f.stage_text(stage, compile_target))
         click.echo(file)
     click.echo(
         f"wrote {len(functions)} file{'s' if len(functions) != 1 else ''} ({stage}, "
@@ -243,14 +243,6 @@ def _split_script(script: str) -> tuple[str, str | None]:
     if not pattern:
         raise HlotoolError(f"empty function name after ':' in {script!r}")
     return path, pattern
-
-
-def _write_text(path: str, text: str) -> None:
-    try:
-        with open(path, "w") as out:
-            out.write(text)
-    except OSError as e:
-        raise HlotoolError(f"cannot write {path}: {e.strerror or e}") from e
 
 
 def _ensure_writable_dir(path: str) -> None:
@@ -410,7 +402,7 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
             click.echo(file)
     elif output is not None:
         page = render.html_report(diffs, hops, title=f"hlotool diff {os.path.basename(path)}")
-        _write_text(output, page)
+        write_output(output, page)
         click.echo(output)
     else:
         click.echo(render.text_summary(diffs), nl=False)
@@ -494,7 +486,7 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
         if output is not None:
             stem, _, rest = f.stage_filename(stage, compile_target).partition(".")
             file = os.path.join(output, f"{stem}.flash.{rest}")
-            _write_text(file, rewritten.stage_text(stage, compile_target))
+            write_output(file, rewritten.stage_text(stage, compile_target))
             click.echo(file, err=as_json)
     if as_json:
         click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,

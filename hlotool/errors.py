@@ -22,3 +22,14 @@ class HloParseError(HlotoolError):
         self.column = column
         self.source_name = source_name
         super().__init__(f"{source_name}:{line}:{column}: {message}")
+
+
+def write_output(path: str, data: str | bytes) -> None:
+    """Write a file the user asked for; a failure is one line naming the path and the cause."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")  # reports hold −, ×, → and source paths in any script
+    try:
+        with open(path, "wb") as out:
+            out.write(data)
+    except OSError as e:
+        raise HlotoolError(f"cannot write {path}: {e.strerror or e}") from None

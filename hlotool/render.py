@@ -18,7 +18,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from hlotool.errors import HlotoolError
+from hlotool.errors import HlotoolError, write_output
 from hlotool.hlo.printer import print_instruction
 from hlotool.passes.diff import ADDED, KEPT, REMOVED, FunctionDiff, ModuleDiff, SiteChange
 
@@ -392,22 +392,14 @@ def write_pieces(functions: Sequence[FunctionDiff], directory: str, fmt: str,
         stem = re.sub(r"[^\w.-]", "_", f.function)
         if fmt == "txt":
             path = os.path.join(directory, f"{stem}.{f.stage}.{f.target}.diff.txt")
-            _write(path, (text_summary([f]) + "\n" + (f.diff.unified() or "no change\n")).encode())
+            write_output(path, text_summary([f]) + "\n" + (f.diff.unified() or "no change\n"))
             written.append(path)
             continue
         for si, change in enumerate(f.changes, 1):
             for side, name in (("before", "native"), ("after", "rewritten")):
                 source = site_dot(f.diff, change, side, hops, max_nodes)
-                data = source.encode() if fmt == "dot" else run_dot(source, fmt)
+                data = source if fmt == "dot" else run_dot(source, fmt)
                 path = os.path.join(directory, f"{stem}.site{si}.{name}.{fmt}")
-                _write(path, data)
+                write_output(path, data)
                 written.append(path)
     return written
-
-
-def _write(path: str, data: bytes) -> None:
-    try:
-        with open(path, "wb") as out:
-            out.write(data)
-    except OSError as e:
-        raise HlotoolError(f"cannot write {path}: {e.strerror or e}") from e

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import click
 
-from hlotool.errors import HlotoolError
+from hlotool.errors import HlotoolError, write_output
 from hlotool.hardware import get_hardware
 from hlotool.table import format_table
 
@@ -46,10 +46,6 @@ def _write_plot(path: str, site, names: Sequence[str]) -> None:
     title = (f"{site.function or 'site'}: B={site.batch} H={site.num_q_heads} "
              f"D={site.head_dim} {site.dtype} {site.mask}, Lq = Lk swept")
     text = svg([series(site, n) for n in names], title)
-    try:
-        with open(path, "w") as out:
-            out.write(text)
-    except OSError as e:
-        raise HlotoolError(f"cannot write {path}: {e.strerror or e}") from None
+    write_output(path, text)
     if not os.path.getsize(path):
         raise HlotoolError(f"wrote nothing to {path}")
