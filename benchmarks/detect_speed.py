@@ -18,42 +18,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from _transformer import best, param_shapes, transformer  # noqa: E402
 from hlotool.hlo import parse_module  # noqa: E402
 from hlotool.passes.from_hlo import find_matches  # noqa: E402
 from hlotool.passes.from_jaxpr import detect_jaxpr  # noqa: E402
-
-
-def transformer(params, x, heads: int):
-    """x [B, L, E]; params: one dict of weights per layer."""
-    batch, length, dim = x.shape
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    for p in params:
-        h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-6)
-        q, k, v = ((h @ p[n]).reshape(batch, length, heads, dim // heads)
-                   for n in ("wq", "wk", "wv"))
-        s = jnp.einsum("blhd,bmhd->bhlm", q, k) / jnp.sqrt(dim / heads)
-        s = jnp.where(causal, s, -1e9)
-        o = jnp.einsum("bhlm,bmhd->blhd", jax.nn.softmax(s, axis=-1), v)
-        x = x + o.reshape(batch, length, dim) @ p["wo"]
-        h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-6)
-        x = x + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
-    return x
-
-
-def best(fn, repeats: int) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), result
 
 
 def main() -> None:
@@ -65,9 +39,7 @@ def main() -> None:
     args = parser.parse_args()
 
     dim, heads = args.dim, 4
-    shapes = {"wq": (dim, dim), "wk": (dim, dim), "wv": (dim, dim), "wo": (dim, dim),
-              "w1": (dim, 4 * dim), "w2": (4 * dim, dim)}
-    params = [{n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()}
+    params = [{n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in param_shapes(dim).items()}
               for _ in range(args.layers)]
     x = jax.ShapeDtypeStruct((2, args.length, dim), jnp.float32)
 

@@ -20,39 +20,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from _transformer import best, param_shapes, transformer  # noqa: E402
 from hlotool.hlo import parse_module, print_module  # noqa: E402
-
-
-def transformer(params, x, heads: int):
-    """x [B, L, D]; params: one dict of weights per layer."""
-    batch, length, dim = x.shape
-    mask = jnp.tril(jnp.ones((length, length), bool))
-    for p in params:
-        h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-6)
-        q, k, v = (
-            (h @ p[n]).reshape(batch, length, heads, dim // heads) for n in ("wq", "wk", "wv")
-        )
-        s = jnp.einsum("blhd,bmhd->bhlm", q, k) / jnp.sqrt(dim / heads)
-        s = jnp.where(mask, s, -1e9)
-        o = jnp.einsum("bhlm,bmhd->blhd", jax.nn.softmax(s, axis=-1), v)
-        x = x + o.reshape(batch, length, dim) @ p["wo"]
-        h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-6)
-        x = x + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
-    return x
 
 
 def modules(layers: int, dim: int = 64, length: int = 32, heads: int = 4) -> dict[str, str]:
     key = jax.random.PRNGKey(0)
-    shapes = {
-        "wq": (dim, dim),
-        "wk": (dim, dim),
-        "wv": (dim, dim),
-        "wo": (dim, dim),
-        "w1": (dim, 4 * dim),
-        "w2": (4 * dim, dim),
-    }
     params = [
-        {n: jax.random.normal(jax.random.fold_in(key, i), s) * 0.02 for n, s in shapes.items()}
+        {n: jax.random.normal(jax.random.fold_in(key, i), s) * 0.02
+         for n, s in param_shapes(dim).items()}
         for i in range(layers)
     ]
     x = jnp.ones((2, length, dim))
@@ -61,15 +37,6 @@ def modules(layers: int, dim: int = 64, length: int = 32, heads: int = 4) -> dic
         "pre-opt (debug info)": lowered.as_text(dialect="hlo", debug_info=True),
         "CPU post-opt": lowered.compile().as_text(),
     }
-
-
-def best_of(fn, repeats: int, clock=time.perf_counter) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        best = min(best, clock() - start)
-    return best
 
 
 def main() -> None:
@@ -81,10 +48,10 @@ def main() -> None:
     for label, text in modules(args.layers).items():
         module = parse_module(text)
         count = sum(len(c.instructions) for c in module.computations.values())
-        parse_s = best_of(partial(parse_module, text), args.repeats)
+        parse_s = best(partial(parse_module, text), args.repeats)[0]
         # CPU time as well: on a busy machine wall time also counts waiting for a core.
-        parse_cpu = best_of(partial(parse_module, text), args.repeats, time.process_time)
-        print_s = best_of(partial(print_module, module), args.repeats)
+        parse_cpu = best(partial(parse_module, text), args.repeats, time.process_time)[0]
+        print_s = best(partial(print_module, module), args.repeats)[0]
         rows.append((label, count, len(text.encode()), parse_s, parse_cpu, print_s))
     header = (
         f"{'module':<22} {'instructions':>12} {'bytes':>10} {'parse s':>9} {'instr/s':>10} "
