@@ -8,11 +8,12 @@ shared memory from the CUDA C++ Programming Guide's compute-capability table, wh
 GPU specs (`xla/tools/hlo_opt/gpu_specs/*.txtpb`) also record.
 
 `cpu` is this host, not a product: a 2-core AMD EPYC VM. Its figures were measured here, on
-an otherwise idle machine, with `benchmarks/cost_vs_measured.py --calibrate` (`measure_host`:
-an XLA:CPU matmul of attention-block shape, and the rate at which XLA:CPU's naive attention
-moves the bytes the model counts, which its exp/reduce loops bound well below DRAM speed);
-six runs gave 68–139 GFLOP/s and 2.4–4.2 GB/s, the rows hold round medians. They are what
-XLA achieves on this host, not the silicon's peak; another host should re-measure them.
+an otherwise idle machine, with `benchmarks/cost_vs_measured.py --calibrate`, which runs
+`measure_host` in 5 fresh processes (an XLA:CPU matmul of attention-block shape, and the
+bandwidth at which the model reproduces XLA:CPU's naive attention at L=4096, whose exp/reduce
+loops and page faults bound it well below DRAM speed): 130–135 GFLOP/s and 1.96–2.27 GB/s
+across the processes; the row holds the medians. They are what XLA achieves on this host, not
+the silicon's peak; another host should re-measure them.
 """
 
 from __future__ import annotations
@@ -95,9 +96,10 @@ HARDWARE: dict[str, Hardware] = {
     for h in (
         Hardware(
             "cpu", "this host: 2-core AMD EPYC VM, XLA:CPU (measured, see module docstring)",
-            "cpu", {"float32": 110e9, "bfloat16": 110e9}, 24 * 1024**3, 2.5e9,
+            "cpu", {"float32": 133e9, "bfloat16": 133e9}, 24 * 1024**3, 2.15e9,
             1 * _MIB, "L2 per core", 1, "cpu",
-            ("measured: benchmarks/cost_vs_measured.py --calibrate (median of 5, jax 0.10.2)",),
+            ("measured: benchmarks/cost_vs_measured.py --calibrate (median of 5 processes, "
+             "jax 0.10.2)",),
         ),
         # tpu_info: v4 has 2 TensorCores in megacore; per chip 275 TF, 1.23 TB/s, 32 GiB.
         _tpu("tpu-v4", "TPU v4, one chip (megacore)", 2.75e14, 34_400_000_000, 1.23e12,
@@ -132,19 +134,25 @@ def get_hardware(name: str | Hardware) -> Hardware:
         ) from None
 
 
-def measure_host(repeats: int = 9) -> Hardware:
+def measure_host(repeats: int = 9, length: int = 4096) -> Hardware:
     """The `cpu` entry with its matmul rate and unfused-attention bandwidth measured on this host.
 
     Matmul: a [8, 1024, 64] x [8, 64, 512] f32 batched dot (one attention tile per head).
-    Bandwidth: on XLA:CPU the unfused softmax passes are bound by their exp/reduce loops, not
-    by DRAM (a plain `x + 1` streams ~3x faster), so the figure the roofline needs is the rate
-    at which the naive attention moves the bytes the model counts for it: the naive formula at
-    q, k, v [1, 2048, 4, 64] f32, its matmul time at the rate above taken off, over the
-    model's native bytes (`hlotool.cost.model.native_phases`: S written, S read and P written,
-    P read, plus q, k, v, o).
+    Bandwidth: on XLA:CPU the unfused softmax passes are bound by their exp/reduce loops and
+    by page-faulting their freshly allocated L×L buffers, not by DRAM (a donated `x + 1` on a
+    held 1 GiB buffer moved 48 GB/s here), so the figure the roofline needs is the rate at which
+    the naive attention moves the bytes the model counts for it: the bandwidth at which the
+    model's native time (`hlotool.cost.model.analytic`) equals the measured time of the
+    naive program the benchmarks time (`hlotool.cost.xla.naive_program`) at q, k, v
+    [1, length, 4, 64] f32. `length` 4096 lies inside the 2K..16K range the model is checked
+    over and takes seconds to time (0.27 GB per score matrix).
     """
     import jax
     import jax.numpy as jnp
+
+    from hlotool.cost.model import fit_bandwidth
+    from hlotool.cost.xla import example_arrays, naive_program
+    from hlotool.site import AttentionSite
 
     def median_seconds(f, *args) -> float:
         f(*args).block_until_ready()
@@ -158,20 +166,12 @@ def measure_host(repeats: int = 9) -> Hardware:
     a, b = jnp.ones((8, 1024, 64), jnp.float32), jnp.ones((8, 512, 64), jnp.float32)
     dot = jax.jit(lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b))
     flops = 2 * 8 * 1024 * 512 * 64 / median_seconds(dot, a, b)
+    host = dataclasses.replace(HARDWARE["cpu"], matmul_flops={"float32": flops,
+                                                              "bfloat16": flops},
+                               sources=("measure_host() just now",))
 
-    length, heads, dim = 2048, 4, 64
-    x = jnp.ones((1, length, heads, dim), jnp.float32)
-
-    @jax.jit
-    def naive(q, k, v):
-        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * dim**-0.5, axis=-1)
-        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
-
-    score_bytes = heads * length * length * 4
-    moved = 4 * score_bytes + 4 * x.nbytes
-    matmul_seconds = 2 * (2 * heads * length * length * dim) / flops
-    bandwidth = moved / max(median_seconds(naive, x, x, x) - matmul_seconds, 1e-9)
-    return dataclasses.replace(
-        HARDWARE["cpu"], matmul_flops={"float32": flops, "bfloat16": flops},
-        hbm_bandwidth=bandwidth, sources=("measure_host() just now",),
-    )
+    site = AttentionSite(batch=1, q_len=length, kv_len=length, num_q_heads=4, num_kv_heads=4,
+                         head_dim=64, v_head_dim=64, dtype="float32", scale=0.125)
+    fn, args = naive_program(site)
+    measured = median_seconds(jax.jit(fn), *example_arrays(args))
+    return dataclasses.replace(host, hbm_bandwidth=fit_bandwidth(site, host, measured))

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from hlotool.cost import analytic, verdict
-from hlotool.cost.model import native_phases
+from hlotool.cost.model import fit_bandwidth, native_phases
 from hlotool.errors import HlotoolError
 from hlotool.hardware import HARDWARE, Hardware, get_hardware
 from hlotool.kernels.base import naive_cost
@@ -136,3 +136,18 @@ def test_hardware_table_cites_sources():
         assert hw.hbm_bandwidth > 0 and hw.peak_flops("bfloat16") > 0
     assert HARDWARE["tpu-v5e"].peak_flops("bfloat16") == 1.97e14  # jax's tpu_info
     assert HARDWARE["h200"].hbm_bandwidth == 4.8e12
+
+
+def test_fit_bandwidth_inverts_the_native_time():
+    # From test_native_by_hand: 5 s at 128 B/s (the softmax phase is memory-bound).
+    assert fit_bandwidth(TINY, TOY, 5.0) == pytest.approx(128.0, rel=1e-6)
+    s = site(2048, heads=4)
+    bw = fit_bandwidth(s, "cpu", 0.25)
+    refit = dataclasses.replace(HARDWARE["cpu"], hbm_bandwidth=bw)
+    assert analytic(s, refit, "native").seconds == pytest.approx(0.25, rel=1e-6)
+
+
+def test_fit_bandwidth_refuses_a_time_below_the_matmuls():
+    # QKᵀ and P·V alone take 4 s on the toy chip whatever the bandwidth.
+    with pytest.raises(HlotoolError, match="faster than the native matmuls alone on toy"):
+        fit_bandwidth(TINY, TOY, 3.9)

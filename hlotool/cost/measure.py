@@ -1,6 +1,12 @@
 """Measured: time and peak memory of the native and kernel probe programs on this host, each
 side in its own process (so one side's peak memory cannot hide the other's), median of repeats
-after warm-up calls (compile excluded), each call ended by `block_until_ready`.
+after warm-up calls (compile excluded), each call ended by `block_until_ready`. With
+`min_seconds`, short calls are repeated until that much time was timed, so a millisecond
+kernel is not judged on three samples.
+
+Each call's minor page faults are counted too: XLA:CPU allocates a call's temporaries afresh
+and the OS faults every page of them in again, which for the naive program's L×L buffers is a
+large share of its time on a host (see `benchmarks/cost_vs_measured.py`).
 
 platform "cpu" (default) times the CPU's kernel (chunked) on XLA:CPU; "cuda" times the Pallas
 GPU kernel (`hlotool.kernels.get("pallas_gpu")`) on the first CUDA device and also reports
@@ -38,8 +44,9 @@ _KERNEL = {"cuda": "pallas_gpu"}
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """Median wall seconds of a jitted call (compile excluded), the child's peak RSS and, on a
-    device that reports it, its peak device memory in use (None otherwise)."""
+    """Median wall seconds of a jitted call (compile excluded), the child's peak RSS, the
+    median bytes one call faulted in (minor page faults × page size) and, on a device that
+    reports it, its peak device memory in use (None otherwise). repeats: timed calls."""
 
     side: str
     seconds: float
@@ -47,6 +54,7 @@ class Measurement:
     repeats: int
     platform: str = "cpu"
     peak_device_bytes: int | None = None
+    faulted_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -71,11 +79,14 @@ def predicted_bytes(site: AttentionSite, side: str) -> int:
 
 def measure(site: AttentionSite, side: str, *, repeats: int = 3,
             limit_bytes: int = DEFAULT_LIMIT_BYTES, timeout: float = 600,
-            platform: str = "cpu", interpret: bool = False) -> Measurement:
+            platform: str = "cpu", interpret: bool = False,
+            min_seconds: float = 0.0) -> Measurement:
     """Time `side` ("native" or "kernel", the platform's kernel) of `site` in a child process.
 
-    platform: "cpu" or "cuda" (see the module docstring); interpret: run the cuda child on the
-    CPU with the kernel in Pallas interpret mode (a correctness check of the plumbing).
+    repeats: timed calls at least; min_seconds: keep timing (up to 20 × repeats calls) until
+    this much wall time was timed. platform: "cpu" or "cuda" (see the module docstring);
+    interpret: run the cuda child on the CPU with the kernel in Pallas interpret mode (a
+    correctness check of the plumbing).
     """
     if platform not in PLATFORMS:
         raise HlotoolError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
@@ -87,7 +98,7 @@ def measure(site: AttentionSite, side: str, *, repeats: int = 3,
     env = {**os.environ, "JAX_PLATFORMS": "cuda" if on_device else "cpu"}
     if on_device:  # grow on demand: the parent may hold a context on the same GPU
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    options = {"platform": platform, "interpret": interpret}
+    options = {"platform": platform, "interpret": interpret, "min_seconds": min_seconds}
     cmd = [sys.executable, "-m", "hlotool.cost.measure", json.dumps(site.to_json()), side,
            str(repeats), json.dumps(options)]
     try:
@@ -98,8 +109,8 @@ def measure(site: AttentionSite, side: str, *, repeats: int = 3,
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise HlotoolError(f"measuring {side} failed: {last}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    return Measurement(side, out["seconds"], out["peak_rss_bytes"], repeats, platform,
-                       out.get("peak_device_bytes"))
+    return Measurement(side, out["seconds"], out["peak_rss_bytes"], out["repeats"], platform,
+                       out["peak_device_bytes"], out["faulted_bytes"])
 
 
 def _site_from_json(doc: dict[str, Any]) -> AttentionSite:
@@ -123,7 +134,7 @@ def _kernel(site: AttentionSite, platform: str, interpret: bool) -> AttentionKer
 
 
 def _child(site: AttentionSite, side: str, repeats: int, platform: str = "cpu",
-           interpret: bool = False) -> dict[str, Any]:
+           interpret: bool = False, min_seconds: float = 0.0) -> dict[str, Any]:
     import jax
 
     from hlotool.cost.xla import example_arrays, kernel_program, naive_program
@@ -136,19 +147,27 @@ def _child(site: AttentionSite, side: str, repeats: int, platform: str = "cpu",
     f = jax.jit(fn)
     for _ in range(1 if platform == "cpu" else 3):  # compile; on a GPU also settle clocks
         f(*arrays).block_until_ready()
-    times = []
-    for _ in range(repeats):
+    times, faults = [], []
+    while len(times) < repeats or (sum(times) < min_seconds and len(times) < 20 * repeats):
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         f(*arrays).block_until_ready()
         times.append(time.perf_counter() - start)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     stats = jax.devices()[0].memory_stats() or {}
-    return {"seconds": sorted(times)[len(times) // 2], "peak_rss_bytes": rss,
+    return {"seconds": _median(times), "repeats": len(times), "peak_rss_bytes": rss,
+            "faulted_bytes": int(_median(faults)) * resource.getpagesize(),
             "peak_device_bytes": stats.get("peak_bytes_in_use")}
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 if __name__ == "__main__":
     site_doc, side_arg, repeats_arg = sys.argv[1:4]
     opts = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     print(json.dumps(_child(_site_from_json(json.loads(site_doc)), side_arg, int(repeats_arg),
-                            opts.get("platform", "cpu"), opts.get("interpret", False))))
+                            opts.get("platform", "cpu"), opts.get("interpret", False),
+                            opts.get("min_seconds", 0.0))))

@@ -170,6 +170,30 @@ def analytic(
     raise HlotoolError(f"side must be 'native' or 'kernel', got {side!r}")
 
 
+def fit_bandwidth(site: AttentionSite, hardware: str | Hardware, seconds: float) -> float:
+    """The bandwidth (bytes/s) at which the model's native forward time for `site` on
+    `hardware` is `seconds`: how a host's effective bandwidth is calibrated from one timed
+    run of the naive program (`hlotool.hardware.measure_host`).
+
+    Raises HlotoolError when `seconds` is below the matmul time alone (no bandwidth fits).
+    """
+    hw = get_hardware(hardware)
+
+    def model_seconds(bandwidth: float) -> float:
+        return analytic(site, dataclasses.replace(hw, hbm_bandwidth=bandwidth),
+                        "native").seconds
+
+    low, high = 1.0, 1e16
+    if model_seconds(high) >= seconds:
+        raise HlotoolError(f"{seconds:.3g} s is faster than the native matmuls alone on "
+                           f"{hw.name}: no bandwidth fits")
+    # The model's time falls as bandwidth rises: bisect in log space for the crossing.
+    while high / low > 1 + 1e-9:
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if model_seconds(mid) > seconds else (low, mid)
+    return (low * high) ** 0.5
+
+
 def _kernel_matmul_flops(site: AttentionSite, cost: KernelCost, backward: bool) -> int:
     """The matmul part of a kernel's FLOPs. Kernels count (`kernels.base.flash_cost`) per
     visited score 2·(D + Dv) matmul FLOPs and 5 elementwise forward; the backward adds 2.5×
