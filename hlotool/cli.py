@@ -26,7 +26,6 @@ from hlotool.targets import TARGETS, default_jax_platforms
 if TYPE_CHECKING:
     from hlotool.capture import CapturedFunction
     from hlotool.passes.native import NativeFate
-    from hlotool.site import AttentionSite
 
 STAGE_NAMES = ("jaxpr", "stablehlo", "hlo", "optimized")
 # Widest argument list the table shows in full; longer ones (parameter pytrees) are
@@ -134,6 +133,7 @@ def inspect(
     * ? or [ (matched against the whole name), otherwise a substring. Arguments after
     `--` are passed to the script. The script's own output goes to stderr.
     """
+    from hlotool.passes.native import native_fates
     from hlotool.passes.report import detect_captured, render_sites, sites_document
     from hlotool.targets import get_target
 
@@ -141,7 +141,7 @@ def inspect(
     path, functions = _capture(script, script_args)
     rows = [(f, f.instruction_counts(names[0])) for f in functions]
     sites = detect_captured(functions)
-    fates = _native_fates(functions, sites, names)
+    fates = native_fates(functions, sites, names)
     if as_json:
         doc = sites_document(sites, **_inspect_report(path, names, rows))
         for entry, by_target in zip(doc["sites"], fates):
@@ -311,26 +311,6 @@ def _inspect_report(
             for f, counts in rows
         ],
     }
-
-
-def _native_fates(
-    functions: Sequence[CapturedFunction], sites: Sequence[AttentionSite], targets: Sequence[str]
-) -> list[dict[str, NativeFate]]:
-    """Per site (in `sites` order), its native fate on each target. Only functions with a
-    site are compiled for targets beyond the first."""
-    from hlotool.passes.native import native_fate
-
-    out: list[dict[str, NativeFate]] = [{} for _ in sites]
-    for target in targets:
-        fates = [fate for f in functions if any(s.function == f.name for s in sites)
-                 for fate in native_fate(f, target)]
-        if [(s.function, s.q_shape) for s in sites] != \
-                [(x.site.function, x.site.q_shape) for x in fates]:
-            raise HlotoolError(f"the {target} lowering holds other attention sites than the "
-                               "host's; inspect each target on its own")
-        for by_target, fate in zip(out, fates):
-            by_target[target] = fate
-    return out
 
 
 def _native_table(fates: Sequence[dict[str, NativeFate]]) -> str:

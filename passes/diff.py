@@ -31,6 +31,7 @@ from hlotool.errors import HlotoolError
 from hlotool.hlo import Computation, Instruction, Module, node_id, parse_module, to_graph
 from hlotool.hlo.ir import CALLED_COMPUTATION_ATTRS, split_names
 from hlotool.hlo.printer import print_instruction
+from hlotool.passes.native import score_sized
 from hlotool.site import AttentionSite
 
 # Attributes that say where an instruction came from, not what it computes.
@@ -262,8 +263,8 @@ class Region:
 
 @dataclasses.dataclass(frozen=True)
 class ChangeStats:
-    """Counts that summarize a change. `score_buffers` counts values of the site's
-    [.., Lq, Lk] score shape outside fusion bodies and reducers, before → after."""
+    """Counts that summarize a change. `score_buffers` counts the site's L×L buffers
+    (`hlotool.passes.native.score_sized`) outside fusion bodies and reducers, before → after."""
 
     removed: int
     added: int
@@ -354,9 +355,9 @@ class ModuleDiff:
         buffers = None
         if site is not None:
             buffers = (
-                sum(_score_sized(i, site) for n, i in zip(removed, a)
+                sum(score_sized(i.shape, site) for n, i in zip(removed, a)
                     if not self.fused("before", n)),
-                sum(_score_sized(i, site) for n, i in zip(added, b)
+                sum(score_sized(i.shape, site) for n, i in zip(added, b)
                     if not self.fused("after", n)),
             )
         return ChangeStats(
@@ -407,17 +408,6 @@ def _custom_call(inst: Instruction) -> str:
     target = inst.custom_call_target or "?"
     op_name = inst.metadata.get("op_name", "")
     return f"{target}[{op_name}]" if op_name and "/" not in op_name else target
-
-
-def _score_sized(inst: Instruction, site: AttentionSite) -> bool:
-    shapes = inst.shape.tuple_shapes if inst.shape.is_tuple else [inst.shape]
-    for shape in shapes:
-        dims = list(shape.dims)
-        if site.q_len in dims:
-            dims.remove(site.q_len)
-            if site.kv_len in dims:
-                return True
-    return False
 
 
 def _computation_names(side: _Side, names: dict[str, str]) -> dict[str, str]:

@@ -127,6 +127,24 @@ def native_fate(function: CapturedFunction, target: str | Target = "cpu") -> lis
     return _fates(pre, matches, parse_module(function.optimized(name)), name)
 
 
+def native_fates(functions: Sequence[CapturedFunction], sites: Sequence[AttentionSite],
+                 targets: Sequence[str]) -> list[dict[str, NativeFate]]:
+    """Per site of `sites` (detected in `functions`, in that order), its native fate on each
+    of `targets`. Only functions with a site are compiled. Raises HlotoolError when a
+    target's lowering holds other sites than `sites`."""
+    out: list[dict[str, NativeFate]] = [{} for _ in sites]
+    for target in targets:
+        fates = [fate for f in functions if any(s.function == f.name for s in sites)
+                 for fate in native_fate(f, target)]
+        if [(s.function, s.q_shape) for s in sites] != \
+                [(x.site.function, x.site.q_shape) for x in fates]:
+            raise HlotoolError(f"the {target} lowering holds other attention sites than the "
+                               "host's; inspect each target on its own")
+        for by_target, fate in zip(out, fates):
+            by_target[target] = fate
+    return out
+
+
 def map_sites(pre: Module | str, optimized: Module | str, target: str,
               function: str = "") -> list[NativeFate]:
     """The native fates of the sites detected in pre-optimization HLO `pre` (with debug
@@ -163,10 +181,13 @@ def _key(inst: Instruction) -> _Key | None:
     return (op_name, frames) if frames else None
 
 
-def _score_sized(shape: Shape, site: AttentionSite) -> bool:
-    """A value with one score matrix's elements whose dims include Lq and Lk."""
+def score_sized(shape: Shape, site: AttentionSite) -> bool:
+    """Whether a value (or a tuple element) is one of `site`'s L×L buffers: it holds one
+    [B, Hq, Lq, Lk] score matrix's elements and its dims include Lq and Lk. A [Lq, Lk] mask
+    or a [B, Lq, Lk] bias before its broadcast is not one. `inspect` and `diff` both count
+    with this."""
     if shape.is_tuple:
-        return any(_score_sized(s, site) for s in shape.tuple_shapes)
+        return any(score_sized(s, site) for s in shape.tuple_shapes)
     dims = list(shape.dims)
     if shape.num_elements != site.batch * site.num_q_heads * site.q_len * site.kv_len \
             or site.q_len not in dims:
@@ -244,9 +265,9 @@ class _Program:
         region |= (self.reach(anchors, self.users, unknown)
                    & self.reach(anchors, self.operands, unknown))
         scores = {n for n in unknown - self.inputs
-                  if _score_sized(self.insts[n][1].shape, site)}
+                  if score_sized(self.insts[n][1].shape, site)}
         region |= self.reach(region, self.operands, scores)
-        sized = [n for n in region if _score_sized(self.insts[n][1].shape, site)]
+        sized = [n for n in region if score_sized(self.insts[n][1].shape, site)]
         consumers = {u for n in sized for u in self.users[n] if u in unknown}
         return region | consumers | self.reach(consumers, self.users, scores)
 
@@ -341,7 +362,7 @@ def _anchors(program: _Program, site_keys: Sequence[set[_Key]],
         for j, piece in enumerate(pieces):
             read = {root[piece_of[o]] for n in piece for o in program.operands[n]
                     if piece_of.get(o, j) < j
-                    and _score_sized(program.insts[o][1].shape, sites[site])}
+                    and score_sized(program.insts[o][1].shape, sites[site])}
             root.append(read.pop() if len(read) == 1 else j)
         roots = sorted(set(root))
         order = sorted(candidates)
@@ -366,7 +387,7 @@ def _placement(inst: Instruction, site: AttentionSite) -> Placement:
     else:
         what = inst.opcode
     space = _MEMORY_SPACE.search(inst.shape.layout or "")
-    return Placement(inst.name, what, _shape_text(inst.shape), _score_sized(inst.shape, site),
+    return Placement(inst.name, what, _shape_text(inst.shape), score_sized(inst.shape, site),
                      int(space.group(1)) if space else 0)
 
 

@@ -93,3 +93,33 @@ def test_xla_numbers_for_naive_probe_on_cpu():
     figs = xla.figures(xla.compile_for(*xla.naive_program(SITE), "cpu"), "cpu")
     assert figs.flops >= 4 * 2 * 256 * 256 * 64
     assert figs.argument_bytes == 3 * 256 * 2 * 64 * 4
+
+
+BHLD_MODEL = textwrap.dedent("""\
+    import jax, jax.numpy as jnp
+
+    @jax.jit
+    def attention(q, k, v):
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.088
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+    x = jnp.ones((1, 8, 1024, 128), jnp.bfloat16)
+    attention(x, x, x)
+    """)
+
+
+@pytest.mark.parametrize("text, fused", [(BHLD_MODEL, True), (MODEL, False)])
+def test_tpu_fusion_is_read_from_the_scripts_own_program(tmp_path, text, fused):
+    path = tmp_path / "model.py"
+    path.write_text(text)
+    result = CliRunner().invoke(cli, ["cost", str(path), "--target", "tpu-v5e",
+                                      "--target", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    (entry,) = json.loads(result.stdout)["sites"]
+    tpu, cpu = entry["targets"]["tpu-v5e"], entry["targets"]["cpu"]
+    assert tpu["native_fused_from"] == "the compiled program"
+    assert tpu["verdict"]["native_fused"] is fused
+    assert ("XLA already fuses it" in tpu["verdict"]["reason"]) is fused
+    # XLA:CPU never fuses attention: known without compiling anything.
+    assert cpu["verdict"]["native_fused"] is False
+    assert cpu["native_fused_from"] == "XLA:CPU has no attention fusion"

@@ -23,8 +23,10 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
 
     names = tuple(get_hardware(t).name for t in targets)
     sites = detect_captured(functions)
+    fused = _fusion_in_program(functions, sites, names) if with_xla and sites else None
     entries = [site_entry(s, names, with_xla=with_xla, with_measure=measure,
-                          backward=backward) for s in sites]
+                          backward=backward, native_fused=f)
+               for s, f in zip(sites, fused or [None] * len(sites))]
     if plot_path and sites:
         _write_plot(plot_path, sites[0], names)
         click.echo(f"wrote {plot_path}", err=True)
@@ -38,6 +40,26 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
               f"({'forward + backward' if backward else 'forward'}; t: roofline, c/m = "
               "compute/memory-bound)")
     return header + "\n" + format_table(HEADERS, table(entries), right_aligned={2, 3, 4, 5, 6, 7})
+
+
+def _fusion_in_program(functions: Sequence, sites: Sequence, names: Sequence[str]
+                       ) -> list[dict[str, bool]] | None:
+    """Per site, for each TPU target XLA can compile here, whether the script's own program
+    runs the site as XLA:TPU's online-softmax call: the real program, context and all, rather
+    than a probe of the naive formula alone. None when that program holds other sites than
+    the host's (the verdict then falls back to the probe)."""
+    from hlotool.passes.native import native_fates
+
+    tpu = {n: get_hardware(n).compile_target for n in names
+           if get_hardware(n).platform == "tpu" and get_hardware(n).compile_target}
+    if not tpu:
+        return None
+    try:
+        fates = native_fates(functions, sites, sorted(set(tpu.values())))
+    except HlotoolError:
+        return None
+    return [{name: by_target[target].online_softmax for name, target in tpu.items()}
+            for by_target in fates]
 
 
 def _write_plot(path: str, site, names: Sequence[str]) -> None:

@@ -3,7 +3,7 @@ source (analytic, XLA, measured) and the verdict; and a terminal table of it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hlotool.cost import xla
@@ -16,13 +16,27 @@ from hlotool.site import AttentionSite
 
 
 def site_entry(site: AttentionSite, targets: Sequence[str], *, with_xla: bool = True,
-               with_measure: bool = False, backward: bool = False) -> dict[str, Any]:
-    """One site's entry: per target the verdict (with analytic figures) and XLA's numbers."""
+               with_measure: bool = False, backward: bool = False,
+               native_fused: Mapping[str, bool] | None = None) -> dict[str, Any]:
+    """One site's entry: per target the verdict (with analytic figures) and XLA's numbers.
+
+    native_fused: per target name, whether the program XLA compiled for it runs this site as
+    its own online-softmax call (`hlotool.passes.native`); a target left out is asked with a
+    single-site probe when `with_xla`. The entry's `native_fused_from` says where the answer
+    came from.
+    """
+    seen = native_fused or {}
     per_target = {}
     for name in targets:
         hw = get_hardware(name)
-        v = verdict(site, hw, backward=backward, check_fusion=with_xla)
+        v = verdict(site, hw, backward=backward, native_fused=seen.get(name),
+                    check_fusion=with_xla)
         entry: dict[str, Any] = {"verdict": v.to_json()}
+        if v.native_fused is not None:
+            entry["native_fused_from"] = (
+                "the compiled program" if name in seen
+                else "a single-site probe" if hw.platform == "tpu"
+                else "XLA:CPU has no attention fusion")
         if with_xla and hw.compile_target is not None and v.kernel_name is not None:
             try:
                 figs = xla.site_figures(site, hw.compile_target, kernel_for(site, hw))
@@ -37,7 +51,7 @@ def site_entry(site: AttentionSite, targets: Sequence[str], *, with_xla: bool = 
         out["measured"] = {}
         for side in ("native", "kernel"):
             try:
-                out["measured"][side] = measure(site, side).to_json()
+                out["measured"][side] = measure(site, side, min_seconds=0.5).to_json()
             except HlotoolError as e:
                 out["measured"][side] = {"error": str(e)}
     return out
