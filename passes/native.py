@@ -272,22 +272,35 @@ class _Program:
         return region | consumers | self.reach(consumers, self.users, scores)
 
     def components(self, nodes: set[int]) -> list[list[int]]:
-        """Weakly connected pieces of `nodes`, each in program order, ordered by first node."""
-        pieces, seen = [], set()
-        for start in sorted(nodes):
-            if start in seen:
+        """Weakly connected pieces of `nodes`, each in program order, ordered by first node.
+
+        Inputs (parameters, values built from constants) connect nothing: XLA's CSE merges
+        one layer's constant broadcast with the next layer's, which would make two layers
+        one piece. Each goes with the piece of its first user among `nodes`.
+        """
+        core = nodes - self.inputs
+        piece_of: dict[int, int] = {}
+        pieces: list[list[int]] = []
+        for start in sorted(core):
+            if start in piece_of:
                 continue
             piece, stack = [], [start]
-            seen.add(start)
+            piece_of[start] = len(pieces)
             while stack:
                 n = stack.pop()
                 piece.append(n)
                 for m in (*self.operands[n], *self.users[n]):
-                    if m in nodes and m not in seen:
-                        seen.add(m)
+                    if m in core and m not in piece_of:
+                        piece_of[m] = len(pieces)
                         stack.append(m)
-            pieces.append(sorted(piece))
-        return pieces
+            pieces.append(piece)
+        for n in sorted(nodes & self.inputs):
+            users = sorted(u for u in self.users[n] if u in piece_of)
+            if users:
+                pieces[piece_of[users[0]]].append(n)
+            else:
+                pieces.append([n])
+        return sorted((sorted(p) for p in pieces), key=lambda p: p[0])
 
 
 def _fates(pre: Module, matches: Sequence[Match], optimized: Module,

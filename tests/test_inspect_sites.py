@@ -172,6 +172,19 @@ def test_layers_from_one_line_get_separate_regions(grad):
         assert scores == owned
 
 
+def test_layers_sharing_a_constant_still_get_one_region_each():
+    # At L=512 XLA:CPU's CSE gives both causal layers one constant broadcast (the softmax's
+    # initial denominator): it must not join the two layers into one piece for site 1.
+    script = str(EXAMPLES / "causal_decoder.py") + ":forward"
+    result = run("inspect", script, "--json", "--", "--seq-len", "512", "--d-model", "32",
+                 "--steps", "1")
+    assert result.exit_code == 0, result.output
+    fates = [s["native"]["cpu"] for s in json.loads(result.stdout)["sites"]]
+    assert [f["score_buffers"] for f in fates] == [2, 2]
+    names = [{p["name"] for p in f["placements"]} for f in fates]
+    assert not names[0] & names[1]
+
+
 def test_bad_input_is_one_line_error():
     with pytest.raises(HlotoolError, match="pre-optimization HLO must be an HLO Module or "
                                            "its text, got int"):
