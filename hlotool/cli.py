@@ -42,11 +42,13 @@ _TARGET_HELP = (
 
 
 def _fail_cleanly(command: Callable[..., None]) -> Callable[..., None]:
-    """Turn errors into one line on stderr and a non-zero exit; tracebacks only with --debug."""
+    """Turn errors into one line on stderr and a non-zero exit; tracebacks only with --debug,
+    which each command also takes after its name (`hlotool inspect model.py --debug`)."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> None:
-        debug = click.get_current_context().find_root().params.get("debug", False)
+        debug = (kwargs.pop("debug_here")
+                 or click.get_current_context().find_root().params.get("debug", False))
         try:
             command(*args, **kwargs)
         except HlotoolError as e:
@@ -70,7 +72,8 @@ def _fail_cleanly(command: Callable[..., None]) -> Callable[..., None]:
             )
             sys.exit(1)
 
-    return wrapper
+    return click.option("--debug", "debug_here", is_flag=True,
+                        help="Show full tracebacks for errors.")(wrapper)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

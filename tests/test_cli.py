@@ -155,8 +155,8 @@ def test_bad_scripts_give_one_line_and_debug_gives_traceback(script, case):
     source, message = BAD_SCRIPTS[case]
     path = script(source)
     assert_one_line_error(run("inspect", path), message)
-    debug = run("--debug", "inspect", path)
-    assert debug.exit_code != 0 and "Traceback" in debug.stderr and message in debug.stderr
+    for debug in (run("--debug", "inspect", path), run("inspect", path, "--debug")):
+        assert debug.exit_code != 0 and "Traceback" in debug.stderr and message in debug.stderr
 
 
 def test_interrupt_is_one_line(script):
