@@ -398,8 +398,10 @@ def replacement(jaxpr: core.Jaxpr, site: JaxprSite, plan: Mapping[str, str | Non
         xs = [values[v] for v in inputs]
         if len(set(plan.values())) == 1:
             return branch(plan["cpu"])(*xs)
-        return jax.lax.platform_dependent(
-            *xs, tpu=branch(plan["tpu"]), cuda=branch(plan["cuda"]), default=branch(plan["cpu"]))
+        # Only platforms that differ from the CPU's choice get a branch of their own, so a
+        # site native on two platforms carries one naive copy, not two.
+        own = {p: branch(plan[p]) for p in ("tpu", "cuda") if plan[p] != plan["cpu"]}
+        return jax.lax.platform_dependent(*xs, **own, default=branch(plan["cpu"]))
 
     if all(plan.values()):
         # Kernel branches depend only on this signature; a native branch would carry the
