@@ -45,7 +45,8 @@ STAGES: tuple[str, ...] = ("jaxpr", "stablehlo", "hlo", "optimized")
 # `x + 1` outside jit), not the user's programs.
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
 
-_HOOK_PARAMS = ("closed_jaxpr", "api_name", "fun_name")
+_HOOK_PARAMS = ("closed_jaxpr", "api_name", "fun_name", "in_shardings", "out_shardings",
+                "in_layouts", "out_layouts", "donated_invars")
 
 
 class ScriptError(HlotoolError):
@@ -74,6 +75,7 @@ def _check_hook() -> Callable[..., Any]:
 
 
 _LOWER = _check_hook()
+_SIGNATURE = inspect.signature(_LOWER)
 
 
 def _exclude_tool_frames() -> None:
@@ -112,6 +114,9 @@ class CapturedFunction:
     source: str | None  # "train_step at /path/model.py:42"
     lower_seconds: float  # jaxpr → StableHLO lowering of the original compile
     compile_seconds: float | None  # XLA compile of the original; None if never compiled
+    # Per flat argument, whether the original jit donated it (donate_argnums): regenerated
+    # stages donate the same, so XLA's aliasing and memory figures match the real program.
+    donated: tuple[bool, ...] = ()
     _lowered: dict[str, jax.stages.Lowered] = dataclasses.field(default_factory=dict, repr=False)
     _compiled: dict[str, jax.stages.Compiled] = dataclasses.field(
         default_factory=dict, repr=False
@@ -154,10 +159,12 @@ class CapturedFunction:
                 jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=sharding)
                 for a in self.in_avals
             ]
+            donate = tuple(i for i, d in enumerate(self.donated) if d)
             jitted = (
-                jax.jit(self._as_fun())
+                jax.jit(self._as_fun(), donate_argnums=donate)
                 if sharding is None
-                else jax.jit(self._as_fun(), in_shardings=sharding, out_shardings=sharding)
+                else jax.jit(self._as_fun(), in_shardings=sharding, out_shardings=sharding,
+                             donate_argnums=donate)
             )
             try:
                 self._lowered[t.name] = jitted.trace(*args).lower()
@@ -243,6 +250,7 @@ class _Record:
     name: str
     closed_jaxpr: ClosedJaxpr
     lower_seconds: float
+    donated: tuple[bool, ...]
     compile_seconds: float | None = None
 
 
@@ -254,7 +262,10 @@ def _compile_hook() -> Iterator[list[_Record]]:
     def hook(closed_jaxpr: ClosedJaxpr, api_name: str, fun_name: str, *args, **kwargs):
         start = time.perf_counter()
         computation = _LOWER(closed_jaxpr, api_name, fun_name, *args, **kwargs)
-        record = _Record(fun_name, closed_jaxpr, time.perf_counter() - start)
+        donated = _SIGNATURE.bind(closed_jaxpr, api_name, fun_name, *args,
+                                  **kwargs).arguments["donated_invars"]
+        record = _Record(fun_name, closed_jaxpr, time.perf_counter() - start,
+                         tuple(bool(d) for d in donated))
         records.append(record)
         compile_fn = computation.compile
 
@@ -279,13 +290,13 @@ def _compile_hook() -> Iterator[list[_Record]]:
 def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
     """The user's functions among `records`, identical recompiles merged, in first-seen order."""
     out: list[CapturedFunction] = []
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str, tuple[bool, ...]]] = set()
     for r in records:
         info = r.closed_jaxpr.jaxpr.debug_info
         source = getattr(info, "func_src_info", None)
         if source and _source_path(source).startswith(_JAX_DIR):
             continue
-        key = (r.name, str(r.closed_jaxpr))
+        key = (r.name, str(r.closed_jaxpr), r.donated)
         if key in seen:
             continue
         seen.add(key)
@@ -300,6 +311,7 @@ def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
                 source=source,
                 lower_seconds=r.lower_seconds,
                 compile_seconds=r.compile_seconds,
+                donated=r.donated,
             )
         )
     return out

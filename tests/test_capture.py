@@ -75,6 +75,20 @@ def test_regenerated_program_computes_the_same_values():
     np.testing.assert_allclose(out, sin_matmul(x), rtol=1e-6)
 
 
+def test_donation_is_captured_and_kept_in_regenerated_stages():
+    def step(params, x):
+        return params - 0.1 * x, x.sum()
+
+    x = jnp.ones((4, 8))
+    [f] = capture_function(jax.jit(step, donate_argnums=0), jnp.zeros((4, 8)), x)
+    assert f.donated == (True, False)
+    # The regenerated HLO aliases the donated input to the first output, as jax compiled it.
+    assert "input_output_alias={ {0}: (0, {}, may-alias) }" in f.hlo(debug_info=False)
+    assert "input_output_alias" in f.optimized("tpu-v5e")
+    [g] = capture_function(jax.jit(step), x, x)
+    assert g.donated == (False, False) and "input_output_alias" not in g.hlo(debug_info=False)
+
+
 def test_with_jaxpr_gets_its_own_stages():
     x = jnp.ones((4, 8))
     [f] = capture_function(jax.jit(sin_matmul), x)

@@ -82,7 +82,8 @@ def test_inspect_json(script):
     [attention, train_step] = report["functions"]
     assert attention["name"] == "attention"
     assert attention["args"] == [
-        {"name": n, "shape": [8, 16], "dtype": "float32"} for n in ("q", "k", "v")]
+        {"name": n, "shape": [8, 16], "dtype": "float32", "donated": False}
+        for n in ("q", "k", "v")]
     assert set(attention["instructions"]) == {"jaxpr", "stablehlo", "hlo", "optimized"}
     assert train_step["source"] == f"train_step at {script()}:9"  # the decorator's line
 
