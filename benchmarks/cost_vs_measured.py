@@ -4,11 +4,15 @@ For each sequence length: the analytic roofline time of native (naive formula) a
 `--target`, and the median wall time and peak memory of each, each side in its own process
 (`hlotool.cost.measure`), with the relative error of the predicted ratio against the measured
 one. A side whose predicted memory exceeds --limit-gb is skipped with a note. Done when
-predicted and measured ratios agree within 2x. On the CPU a child repeats short calls until
-it has timed at least a second, and the table shows the bytes one native call faulted in:
-XLA:CPU allocates the L×L temporaries afresh each call and the OS zero-fills every page again,
-a cost the roofline does not price and which grows per page on a VM host whose freed memory
-goes back to the hypervisor (free page reporting) while a long call runs.
+predicted and measured ratios agree within 2x.
+
+On the CPU, --rounds (3) alternates native and kernel processes and takes medians, since one
+process on this shared VM can run up to 2x slower than the next; a child repeats short calls
+until it has timed at least a second. The table shows the bytes one native call faulted in:
+XLA:CPU allocates the L×L temporaries afresh each call and the OS zero-fills every page again.
+The `cpu` row's bandwidth is fitted at L=4096 and so prices that at 4096's cost per page; on
+a VM whose freed memory goes back to the hypervisor (free page reporting) while a long call
+runs, the cost per page grows with L, which is why native at 16K measures slower than predicted.
 
 --platform cpu (default): this host's XLA:CPU, the chunked kernel, float32, target `cpu`,
 peak RSS. --platform cuda: the first CUDA GPU, the Pallas GPU (Triton) kernel `pallas_gpu`
@@ -47,6 +51,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--target", help="hardware row to predict with: default cpu, or h200 on cuda")
     p.add_argument("--repeats", type=int, help="timed runs per side: default 3 (cpu), 20 (cuda)")
+    p.add_argument("--rounds", type=int,
+                   help="native-then-kernel rounds per length, each side a fresh process: "
+                        "default 3 (cpu: one process's speed drifts by up to 2x on a shared "
+                        "VM), 1 (cuda)")
     p.add_argument("--limit-gb", type=float,
                    help="skip a side predicted to need more: default 12 (cpu), 90%% of the "
                         "target's HBM (cuda)")
@@ -62,6 +70,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
     a.target = a.target or ("h200" if cuda else "cpu")
     a.repeats = a.repeats or (2 if a.dry_run else 20 if cuda else 3)
+    a.rounds = a.rounds or (1 if cuda else 3)
     return a
 
 
@@ -74,20 +83,26 @@ def _cuda_devices() -> list:
         return []
 
 
-def _row(n: int, pn: float, pk: float, got: dict, skip_note: str) -> tuple[str, float | None]:
+def _row(n: int, pn: float, pk: float, rounds: list[dict], skip_note: str
+         ) -> tuple[str, float | None]:
     """One length's line (predictions, measurements or why not, ratio error, agreement) and
-    the ratio error (None when a side was not measured)."""
+    the ratio error (None when a side was not measured). `rounds`: per round, each side's
+    Measurement (or the error that stopped it). Times are medians over rounds, the measured
+    ratio the median of the rounds' ratios, memory the largest over rounds."""
     head = f"{n:>6} {pn:>11.4g}s {pk:>11.4g}s {pn / pk:>10.2f}"
-    errors = [m for m in got.values() if isinstance(m, Exception)]
+    errors = list(dict.fromkeys(str(m) for r in rounds for m in r.values()
+                                if isinstance(m, Exception)))
     if errors:
-        return f"{head}  skipped: {'; '.join(str(e) for e in errors)} ({skip_note})", None
-    native, kernel = got["native"], got["kernel"]
-    mr = native.seconds / kernel.seconds
+        return f"{head}  skipped: {'; '.join(errors)} ({skip_note})", None
+    native, kernel = ([r[side] for r in rounds] for side in ("native", "kernel"))
+    mr = statistics.median(a.seconds / b.seconds for a, b in zip(native, kernel))
     err = _ratio_error(pn / pk, mr)
     agree = "yes" if 0.5 <= (pn / pk) / mr <= 2 else "NO"
-    return (f"{head} {native.seconds:>11.4g}s {kernel.seconds:>11.4g}s {mr:>10.2f} "
-            f"{err:>+9.0%} {native.peak_bytes / 1e9:>9.3f}G {kernel.peak_bytes / 1e9:>9.3f}G "
-            f"{native.faulted_bytes / 1e9:>11.2f}G {agree:>6}"), err
+    ns, ks = (statistics.median(m.seconds for m in side) for side in (native, kernel))
+    nm, km = (max(m.peak_bytes for m in side) / 1e9 for side in (native, kernel))
+    faulted = statistics.median(m.faulted_bytes for m in native) / 1e9
+    return (f"{head} {ns:>11.4g}s {ks:>11.4g}s {mr:>10.2f} {err:>+9.0%} {nm:>9.3f}G "
+            f"{km:>9.3f}G {faulted:>11.2f}G {agree:>6}"), err
 
 
 def _ratio_error(predicted: float, measured: float) -> float:
@@ -96,9 +111,11 @@ def _ratio_error(predicted: float, measured: float) -> float:
 
 
 def _header(a: argparse.Namespace, device: str, memory: str) -> str:
-    least = " calls, or more up to 1 s" if a.platform == "cpu" else ""
-    lines = [f"B=1 H={a.heads} D={a.dim} {a.dtype}, {device}, target {a.target}, "
-             f"median of {a.repeats}{least}; memory: {memory}; faulted/call: native",
+    least = " or more up to 1 s" if a.platform == "cpu" else ""
+    lines = [f"B=1 H={a.heads} D={a.dim} {a.dtype}, {device}, target {a.target}",
+             f"{a.rounds} round{'s' if a.rounds != 1 else ''} of native then kernel, each a "
+             f"fresh process timing {a.repeats} calls{least}; meas: medians over rounds (meas "
+             f"ratio: median of each round's ratio); memory: {memory}; faulted/call: native",
              f"{'L':>6} {'pred native':>12} {'pred kernel':>12} {'pred ratio':>10} "
              f"{'meas native':>12} {'meas kernel':>12} {'meas ratio':>10} {'ratio err':>9} "
              f"{'mem native':>10} {'mem kernel':>10} {'faulted/call':>12} {'agree':>6}"]
@@ -175,17 +192,22 @@ def main(argv: list[str] | None = None) -> int:
                              num_kv_heads=a.heads, head_dim=a.dim, v_head_dim=a.dim,
                              dtype=a.dtype, scale=a.dim ** -0.5)
         pn, pk = (analytic(site, target, s).seconds for s in ("native", "kernel"))
-        got = {}
-        for side in ("native", "kernel"):
-            try:
-                got[side] = measure(site, side, repeats=a.repeats,
-                                    limit_bytes=int(limit_gb * 1e9), platform=a.platform,
-                                    interpret=a.dry_run,
-                                    min_seconds=1.0 if a.platform == "cpu" else 0.0)
-            except HlotoolError as e:
-                got[side] = e
+        rounds = []
+        for _ in range(a.rounds):
+            got = {}
+            for side in ("native", "kernel"):
+                try:
+                    got[side] = measure(site, side, repeats=a.repeats,
+                                        limit_bytes=int(limit_gb * 1e9), platform=a.platform,
+                                        interpret=a.dry_run,
+                                        min_seconds=1.0 if a.platform == "cpu" else 0.0)
+                except HlotoolError as e:
+                    got[side] = e
+            rounds.append(got)
+            if any(isinstance(m, Exception) for m in got.values()):
+                break
         note = f"native predicted {predicted_bytes(site, 'native') / 1e9:.1f} GB"
-        line, err = _row(n, pn, pk, got, note)
+        line, err = _row(n, pn, pk, rounds, note)
         if err is not None:
             errors.append(err)
         print(line, flush=True)
