@@ -116,7 +116,7 @@ class CapturedFunction:
     compile_seconds: float | None  # XLA compile of the original; None if never compiled
     # Per flat argument, whether the original jit donated it (donate_argnums): regenerated
     # stages donate the same, so XLA's aliasing and memory figures match the real program.
-    donated: tuple[bool, ...] = ()
+    donated: tuple[bool, ...]
     _lowered: dict[str, jax.stages.Lowered] = dataclasses.field(default_factory=dict, repr=False)
     _compiled: dict[str, jax.stages.Compiled] = dataclasses.field(
         default_factory=dict, repr=False

@@ -165,8 +165,7 @@ def inspect(
             for f in functions:
                 click.echo(f"\n{f.index} {f.name}  ({f.source or 'source unknown'})")
                 arg_names = f.arg_names or [f"arg{i}" for i in range(len(f.in_avals))]
-                donated = f.donated or (False,) * len(f.in_avals)
-                for name, arg, gone in zip(arg_names, f.args_summary(), donated):
+                for name, arg, gone in zip(arg_names, f.args_summary(), f.donated):
                     click.echo(f"    {arg:<20} {name}" + ("  (donated)" if gone else ""))
     if fail_on_sites and sites:
         click.echo(f"hlotool: {len(sites)} attention site{'s' if len(sites) != 1 else ''} "
@@ -308,8 +307,7 @@ def _inspect_report(
                     {"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
                      "donated": gone}
                     for name, a, gone in zip(f.arg_names or [None] * len(f.in_avals),
-                                             f.in_avals,
-                                             f.donated or (False,) * len(f.in_avals))
+                                             f.in_avals, f.donated)
                 ],
                 "instructions": counts,
                 "lower_seconds": f.lower_seconds,

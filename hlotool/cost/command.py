@@ -50,8 +50,8 @@ def _fusion_in_program(functions: Sequence, sites: Sequence, names: Sequence[str
     the host's (the verdict then falls back to the probe)."""
     from hlotool.passes.native import native_fates
 
-    tpu = {n: get_hardware(n).compile_target for n in names
-           if get_hardware(n).platform == "tpu" and get_hardware(n).compile_target}
+    tpu = {hw.name: hw.compile_target for hw in map(get_hardware, names)
+           if hw.platform == "tpu" and hw.compile_target}
     if not tpu:
         return None
     try:

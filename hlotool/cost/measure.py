@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -156,13 +157,10 @@ def _child(site: AttentionSite, side: str, repeats: int, platform: str = "cpu",
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     stats = jax.devices()[0].memory_stats() or {}
-    return {"seconds": _median(times), "repeats": len(times), "peak_rss_bytes": rss,
-            "faulted_bytes": int(_median(faults)) * resource.getpagesize(),
+    return {"seconds": statistics.median_high(times), "repeats": len(times),
+            "peak_rss_bytes": rss,
+            "faulted_bytes": statistics.median_high(faults) * resource.getpagesize(),
             "peak_device_bytes": stats.get("peak_bytes_in_use")}
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
 
 
 if __name__ == "__main__":
