@@ -123,7 +123,7 @@ def _header(a: argparse.Namespace, device: str, memory: str) -> str:
 
 
 CALIBRATE_ONCE = """
-from hlotool.hardware import measure_host
+from hlotool.cost.measure import measure_host
 hw = measure_host()
 print(hw.matmul_flops["float32"], hw.hbm_bandwidth)
 """

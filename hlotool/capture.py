@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import functools
+import importlib.util
 import inspect
 import os
 import runpy
@@ -29,7 +30,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import click
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 from jax._src import source_info_util
@@ -88,8 +88,11 @@ def _exclude_tool_frames() -> None:
     register = getattr(source_info_util, "register_exclusion", None)
     if register is None:
         return
-    for path in (os.path.dirname(__file__), os.path.dirname(click.__file__),
-                 sysconfig.get_path("scripts")):
+    paths = [os.path.dirname(__file__), sysconfig.get_path("scripts")]
+    click = importlib.util.find_spec("click")  # found, not imported: capture needs no CLI
+    if click is not None and click.origin:
+        paths.append(os.path.dirname(click.origin))
+    for path in paths:
         register(os.path.abspath(path) + os.sep)
     register("<frozen runpy>")  # `python -m hlotool`
 

@@ -20,7 +20,7 @@ import click
 from hlotool import __version__
 from hlotool.errors import HlotoolError, write_output
 from hlotool.hardware import HARDWARE, get_hardware
-from hlotool.table import format_table
+from hlotool.report.table import format_table
 from hlotool.targets import TARGETS, default_jax_platforms
 
 if TYPE_CHECKING:
@@ -137,7 +137,8 @@ def inspect(
     `--` are passed to the script. The script's own output goes to stderr.
     """
     from hlotool.passes.native import native_fates
-    from hlotool.passes.report import detect_captured, render_sites, sites_document
+    from hlotool.passes.from_hlo import detect_captured
+    from hlotool.report.sites import render_sites, sites_document
     from hlotool.targets import get_target
 
     names = [get_target(t).name for t in dict.fromkeys(targets)]
@@ -368,7 +369,7 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
     site's neighbourhood, native and rewritten side by side. SCRIPT:NAME and `--` script
     arguments work as for `inspect`.
     """
-    from hlotool import render
+    from hlotool.report import render
     from hlotool.targets import get_target
 
     compile_target = get_target(target)
@@ -511,7 +512,7 @@ def cost(script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as
     memory-bound), XLA's cost_analysis of the naive and kernel programs (* = numbers XLA is
     known to get wrong there; see --json caveats) and the verdict.
     """
-    from hlotool.cost.command import cost_report
+    from hlotool.report.cost import cost_report
 
     targets = tuple(get_hardware(t).name for t in (targets or ("cpu",)))
     path, functions = _capture(script, script_args)

@@ -9,7 +9,7 @@ GPU specs (`xla/tools/hlo_opt/gpu_specs/*.txtpb`) also record.
 
 `cpu` is this host, not a product: a 2-core AMD EPYC VM. Its figures were measured here, on
 an otherwise idle machine, with `benchmarks/cost_vs_measured.py --calibrate`, which runs
-`measure_host` in 5 fresh processes (an XLA:CPU matmul of attention-block shape, and the
+`hlotool.cost.measure.measure_host` in 5 fresh processes (an XLA:CPU matmul of attention-block shape, and the
 bandwidth at which the model reproduces XLA:CPU's naive attention at L=4096, whose exp/reduce
 loops and page faults bound it well below DRAM speed): 130–135 GFLOP/s and 1.96–2.27 GB/s
 across the processes; the row holds the medians. They are what XLA achieves on this host, not
@@ -19,7 +19,6 @@ the silicon's peak; another host should re-measure them.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Mapping
 
 from hlotool.errors import HlotoolError
@@ -132,46 +131,3 @@ def get_hardware(name: str | Hardware) -> Hardware:
         raise UnknownHardwareError(
             f"unknown target {name!r}; valid targets: {', '.join(HARDWARE)}"
         ) from None
-
-
-def measure_host(repeats: int = 9, length: int = 4096) -> Hardware:
-    """The `cpu` entry with its matmul rate and unfused-attention bandwidth measured on this host.
-
-    Matmul: a [8, 1024, 64] x [8, 64, 512] f32 batched dot (one attention tile per head).
-    Bandwidth: on XLA:CPU the unfused softmax passes are bound by their exp/reduce loops and
-    by page-faulting their freshly allocated L×L buffers, not by DRAM (a donated `x + 1` on a
-    held 1 GiB buffer moved 48 GB/s here), so the figure the roofline needs is the rate at which
-    the naive attention moves the bytes the model counts for it: the bandwidth at which the
-    model's native time (`hlotool.cost.model.analytic`) equals the measured time of the
-    naive program the benchmarks time (`hlotool.cost.xla.naive_program`) at q, k, v
-    [1, length, 4, 64] f32. `length` 4096 lies inside the 2K..16K range the model is checked
-    over and takes seconds to time (0.27 GB per score matrix).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from hlotool.cost.model import fit_bandwidth
-    from hlotool.cost.xla import example_arrays, naive_program
-    from hlotool.site import AttentionSite
-
-    def median_seconds(f, *args) -> float:
-        f(*args).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            f(*args).block_until_ready()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-
-    a, b = jnp.ones((8, 1024, 64), jnp.float32), jnp.ones((8, 512, 64), jnp.float32)
-    dot = jax.jit(lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b))
-    flops = 2 * 8 * 1024 * 512 * 64 / median_seconds(dot, a, b)
-    host = dataclasses.replace(HARDWARE["cpu"], matmul_flops={"float32": flops,
-                                                              "bfloat16": flops},
-                               sources=("measure_host() just now",))
-
-    site = AttentionSite(batch=1, q_len=length, kv_len=length, num_q_heads=4, num_kv_heads=4,
-                         head_dim=64, v_head_dim=64, dtype="float32", scale=0.125)
-    fn, args = naive_program(site)
-    measured = median_seconds(jax.jit(fn), *example_arrays(args))
-    return dataclasses.replace(host, hbm_bandwidth=fit_bandwidth(site, host, measured))

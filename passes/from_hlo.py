@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Iterable, Protocol
 
 import numpy as np
 
@@ -133,3 +134,17 @@ def detect_hlo(module: Module | str, function: str = "") -> list[AttentionSite]:
         raise HlotoolError(f"detect_hlo needs an HLO Module or its text, got "
                            f"{type(module).__name__}")
     return [m.site for m in find_matches(module, function or module.name)]
+
+
+class _Captured(Protocol):
+    name: str
+
+    def hlo(self, debug_info: bool = True) -> str: ...
+
+
+def detect_captured(functions: Iterable[_Captured]) -> list[AttentionSite]:
+    """Sites of every captured function, from its pre-optimization HLO with debug info."""
+    sites: list[AttentionSite] = []
+    for f in functions:
+        sites.extend(detect_hlo(f.hlo(debug_info=True), f.name))
+    return sites

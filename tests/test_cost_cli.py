@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from hlotool.cost import xla
 from hlotool.cli import cli
-from hlotool.cost.plot import series
+from hlotool.report.cost_plot import series
 from hlotool.kernels import get
 from hlotool.site import AttentionSite
 

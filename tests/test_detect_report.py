@@ -12,7 +12,8 @@ from hlotool.capture import capture_function
 from hlotool.errors import HlotoolError
 from hlotool.passes.from_hlo import detect_hlo
 from hlotool.passes.from_jaxpr import detect_jaxpr
-from hlotool.passes.report import detect_captured, render_sites, sites_document
+from hlotool.passes.from_hlo import detect_captured
+from hlotool.report.sites import render_sites, sites_document
 
 REQUIRED = {"function", "source", "q_shape", "k_shape", "v_shape", "dtype", "scale", "mask",
             "score_bytes"}

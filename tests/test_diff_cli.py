@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from click.testing import CliRunner
 
-from hlotool import render
+from hlotool.report import render
 from hlotool.cli import cli
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None,

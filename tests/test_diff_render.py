@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from test_diff import NATIVE, REWRITTEN, SITE
 
-from hlotool import render
+from hlotool.report import render
 from hlotool.passes.diff import FunctionDiff, SiteChange, by_site, diff_modules
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None,

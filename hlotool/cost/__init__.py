@@ -11,7 +11,7 @@ __all__ = ["Figures", "Verdict", "analytic", "kernel_for", "verdict"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: `hlotool --help` imports the cost command without importing jax.
+    # Lazy: `hlotool --help` and the measuring child start without importing jax.
     if name in ("Figures", "analytic", "kernel_for"):
         from hlotool.cost import model
 

@@ -13,6 +13,7 @@ from hlotool.cost.xla import xla_fuses_natively
 from hlotool.hardware import Hardware, get_hardware
 from hlotool.kernels import KernelError
 from hlotool.site import AttentionSite
+from hlotool.units import format_bytes
 
 # Roofline speedup below which a custom call is not worth its opacity (profilers, updates).
 MIN_SPEEDUP = 1.2
@@ -92,8 +93,8 @@ def verdict(
         return decide(False, "keep native (XLA already fuses it on this target: its own "
                              "online-softmax kernel never materializes the scores)")
     if native.temp_bytes > hw.hbm_bytes:
-        return decide(True, f"kernel pays (native needs {_gib(native.temp_bytes)} of "
-                            f"temporaries, more than the {_gib(hw.hbm_bytes)} HBM)")
+        return decide(True, f"kernel pays (native needs {format_bytes(native.temp_bytes)} of "
+                            f"temporaries, more than the {format_bytes(hw.hbm_bytes)} HBM)")
     if site.q_len * site.kv_len < SHORT_SCORES:
         return decide(False, f"keep native (short sequence: Lq={site.q_len}, Lk={site.kv_len}; "
                              f"a {site.q_len}x{site.kv_len} score tile per head is kernel-launch "
@@ -119,6 +120,3 @@ def _full_bias(site: AttentionSite) -> bool:
     return shape is None or (len(shape) >= 2 and shape[-1] == site.kv_len
                              and shape[-2] == site.q_len)
 
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"

@@ -34,6 +34,7 @@ from hlotool.errors import HlotoolError
 from hlotool.site import AttentionSite
 
 if TYPE_CHECKING:
+    from hlotool.hardware import Hardware
     from hlotool.kernels import AttentionKernel
 
 # Keep a child under this much predicted memory: the machine is shared.
@@ -169,3 +170,46 @@ if __name__ == "__main__":
     print(json.dumps(_child(_site_from_json(json.loads(site_doc)), side_arg, int(repeats_arg),
                             opts.get("platform", "cpu"), opts.get("interpret", False),
                             opts.get("min_seconds", 0.0))))
+
+
+def measure_host(repeats: int = 9, length: int = 4096) -> Hardware:
+    """The `cpu` entry with its matmul rate and unfused-attention bandwidth measured on this host.
+
+    Matmul: a [8, 1024, 64] x [8, 64, 512] f32 batched dot (one attention tile per head).
+    Bandwidth: on XLA:CPU the unfused softmax passes are bound by their exp/reduce loops and
+    by page-faulting their freshly allocated L×L buffers, not by DRAM (a donated `x + 1` on a
+    held 1 GiB buffer moved 48 GB/s here), so the figure the roofline needs is the rate at which
+    the naive attention moves the bytes the model counts for it: the bandwidth at which the
+    model's native time (`hlotool.cost.model.analytic`) equals the measured time of the
+    naive program the benchmarks time (`hlotool.cost.xla.naive_program`) at q, k, v
+    [1, length, 4, 64] f32. `length` 4096 lies inside the 2K..16K range the model is checked
+    over and takes seconds to time (0.27 GB per score matrix).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from hlotool.cost.model import fit_bandwidth
+    from hlotool.cost.xla import example_arrays, naive_program
+    from hlotool.hardware import get_hardware
+
+    def median_seconds(f, *args) -> float:
+        f(*args).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            f(*args).block_until_ready()
+            times.append(time.perf_counter() - start)
+        return statistics.median_high(times)
+
+    a, b = jnp.ones((8, 1024, 64), jnp.float32), jnp.ones((8, 512, 64), jnp.float32)
+    dot = jax.jit(lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b))
+    flops = 2 * 8 * 1024 * 512 * 64 / median_seconds(dot, a, b)
+    host = dataclasses.replace(get_hardware("cpu"), matmul_flops={"float32": flops,
+                                                                   "bfloat16": flops},
+                               sources=("measure_host() just now",))
+
+    site = AttentionSite(batch=1, q_len=length, kv_len=length, num_q_heads=4, num_kv_heads=4,
+                         head_dim=64, v_head_dim=64, dtype="float32", scale=0.125)
+    fn, args = naive_program(site)
+    measured = median_seconds(jax.jit(fn), *example_arrays(args))
+    return dataclasses.replace(host, hbm_bandwidth=fit_bandwidth(site, host, measured))
