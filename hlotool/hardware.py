@@ -64,11 +64,6 @@ class Hardware:
             return self.matmul_flops["bfloat16"]
         raise HlotoolError(f"no {dtype} matmul figure for {self.name}")
 
-    @property
-    def ridge_point(self) -> float:
-        """FLOPs per HBM byte above which a bf16 kernel is compute-bound."""
-        return self.peak_flops("bfloat16") / self.hbm_bandwidth
-
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["matmul_flops"] = dict(self.matmul_flops)

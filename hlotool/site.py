@@ -12,6 +12,7 @@ Hq is a multiple of Hkv (Hq == Hkv: multi-head; Hkv == 1: MQA; otherwise GQA).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import numpy as np
@@ -37,6 +38,9 @@ class AttentionSite:
     # Shape of the mask/bias operand as broadcast against the [.., Lq, Lk] scores, in the
     # program's own layout; None when there is no operand (e.g. an iota-built causal mask).
     mask_shape: tuple[int, ...] | None = None
+    # The logit a hidden key has at the softmax: the mask's fill after every scale step that
+    # follows it, in the program's dtypes (-inf: hidden outright). None without a mask.
+    mask_fill: float | None = None
     # The program's own operand shapes and the layout they map from ("BLHD", "BHLD", "LHD", ...).
     q_shape: tuple[int, ...] = ()
     k_shape: tuple[int, ...] = ()
@@ -79,4 +83,6 @@ class AttentionSite:
             if out[key] is not None:
                 out[key] = list(out[key])
         out["score_bytes"] = self.score_bytes
+        if out["mask_fill"] is not None and not math.isfinite(out["mask_fill"]):
+            out["mask_fill"] = str(out["mask_fill"])  # "-inf": JSON has no infinities
         return out

@@ -3,7 +3,8 @@
 Registry: `get(name)`, `names()`, `available()`, `select(site, platform)`; dispatcher:
 `attention(q, k, v, ..., kernel="auto")`, one traced program that lowers to the preferred kernel
 of each platform (TPU → pallas_tpu, CUDA → pallas_gpu, anything else → chunked), falling back
-down `PRIORITY` when a kernel is unavailable or refuses the shapes.
+down `PRIORITY` when a kernel is unavailable or refuses the shapes; `per_platform`, the one
+place a program is split by platform. `sharded.on_mesh` runs a call per shard of a mesh.
 """
 
 from hlotool.kernels.base import (
@@ -14,11 +15,13 @@ from hlotool.kernels.base import (
     Support,
 )
 from hlotool.kernels.registry import (
+    PLATFORMS,
     PRIORITY,
     attention,
     available,
     get,
     names,
+    per_platform,
     select,
 )
 
@@ -27,11 +30,13 @@ __all__ = [
     "Features",
     "KernelCost",
     "KernelError",
+    "PLATFORMS",
     "PRIORITY",
     "Support",
     "attention",
     "available",
     "get",
     "names",
+    "per_platform",
     "select",
 ]

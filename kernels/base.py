@@ -3,31 +3,45 @@
 A kernel is called as
 
     kernel(q, k, v, *, scale, bias=None, mask=None, causal=False, kv_lengths=None,
-           layout="BLHD")
+           fill=-inf, layout="BLHD")
 
 with, in layout "BLHD" (canonical, as `hlotool.site.AttentionSite`):
   q: [B, Lq, Hq, D]    k: [B, Lk, Hkv, D]    v: [B, Lk, Hkv, Dv]    -> out: [B, Lq, Hq, Dv]
 and in layout "BHLD" the same arrays with the L and H axes swapped. Hq is a multiple of Hkv
 (GQA/MQA): callers never repeat K/V heads.
 
-Semantics shared by all kernels (the reference kernel is their definition):
-  scores = scale · q·kᵀ + bias, over [B, Hq, Lq, Lk]; `scale=None` means unscaled (1.0), as in
-  `AttentionSite.scale`. A key j is visible to query i when `mask[b, h, i, j]` (True = attend),
-  `j <= i` if `causal` (top-left aligned, as `jax.nn.dot_product_attention`) and
-  `j < kv_lengths[b]`. Keys that are not visible never contribute, even when they hold NaN. A
-  query row with no visible key returns zeros, never NaN.
+Semantics shared by all kernels (the reference kernel is their definition), over
+[B, Hq, Lq, Lk]:
+
+    logits = where(visible, scale · q·kᵀ + bias, fill)
+    out    = softmax(logits) · v
+
+`scale=None` means unscaled (1.0), as in `AttentionSite.scale`. Key j is visible to query i
+when `mask[b, h, i, j]` (True = attend), `j <= i` if `causal` (top-left aligned, as
+`jax.nn.dot_product_attention`) and `j < kv_lengths[b]`. `fill` is the logit of a hidden key,
+exactly what `jnp.where(mask, scores, fill)` gives the naive program: with the default -inf
+hidden keys never contribute, even when they hold NaN, and a query row with no visible key
+returns zeros; with a finite fill a hidden key keeps its weight exp(fill - max), so a row with
+no visible key is the mean of v over all keys.
+
+A kernel that hides keys its own way (a large negative constant in its tiles, blocks it does
+not visit) declares that logit as `hidden_logit`. Its result is used only where a runtime check
+shows the difference is below float32 resolution (`hiding_is_exact`); otherwise the call
+runs in the chunked kernel, which implements `fill` exactly.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from hlotool.errors import HlotoolError
 from hlotool.site import AttentionSite
@@ -67,6 +81,7 @@ class Features:
     bias: bool = False
     mask: bool = False
     kv_lengths: bool = False
+    finite_fill: bool = False  # hidden keys keep a finite logit (see `Call.fill`)
 
     @classmethod
     def of_site(cls, site: AttentionSite) -> Features:
@@ -74,7 +89,12 @@ class Features:
             causal=site.mask == "causal",
             bias=site.mask == "additive",
             mask=site.mask == "boolean",
+            finite_fill=site.mask_fill is not None and math.isfinite(site.mask_fill),
         )
+
+    @property
+    def hides_keys(self) -> bool:
+        return self.causal or self.mask or self.kv_lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +121,16 @@ class KernelCost:
         )
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["q", "k", "v", "bias", "mask", "kv_lengths"],
+                   meta_fields=["scale", "causal", "fill"])
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One call's operands in canonical terms, validated.
 
     q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; bias: 4-D, each axis 1 or the
-    full [B, Hq, Lq, Lk] size; mask: bool, same rule; kv_lengths: int32 [B].
+    full [B, Hq, Lq, Lk] size; mask: bool, same rule; kv_lengths: int32 [B]; fill: the logit of
+    a hidden key (-inf, or finite).
     """
 
     q: jax.Array
@@ -117,6 +141,7 @@ class Call:
     mask: jax.Array | None
     causal: bool
     kv_lengths: jax.Array | None
+    fill: float = -math.inf
 
     @property
     def features(self) -> Features:
@@ -125,6 +150,7 @@ class Call:
             bias=self.bias is not None,
             mask=self.mask is not None,
             kv_lengths=self.kv_lengths is not None,
+            finite_fill=math.isfinite(self.fill),
         )
 
     def site(self) -> AttentionSite:
@@ -143,6 +169,7 @@ class Call:
             v_head_dim=dv, dtype=str(self.q.dtype), scale=self.scale, mask=kind,
             q_shape=tuple(self.q.shape), k_shape=tuple(self.k.shape),
             v_shape=tuple(self.v.shape), layout="BLHD",
+            mask_fill=None if kind == "none" else self.fill,
         )
 
 
@@ -176,11 +203,15 @@ def make_call(
     mask: jax.Array | None = None,
     causal: bool = False,
     kv_lengths: jax.Array | None = None,
+    fill: float = -math.inf,
     layout: str = "BLHD",
 ) -> Call:
     """Validate one call's arguments and bring them to canonical [B, L, H, D] terms."""
     if layout not in LAYOUTS:
         raise KernelError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    fill = float(fill)
+    if math.isnan(fill) or fill == math.inf:
+        raise KernelError(f"fill must be -inf or finite, got {fill}")
     q, k, v = (_to_blhd(x, n, layout) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     b, lq, hq, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
@@ -215,7 +246,7 @@ def make_call(
             )
         kv_lengths = kv_lengths.astype(jnp.int32)
     return Call(q, k, v, 1.0 if scale is None else float(scale), bias, mask, bool(causal),
-                kv_lengths)
+                kv_lengths, fill)
 
 
 class AttentionKernel(abc.ABC):
@@ -227,6 +258,9 @@ class AttentionKernel(abc.ABC):
 
     name: ClassVar[str]
     platforms: ClassVar[tuple[str, ...]]  # jax platform names: "cpu", "tpu", "cuda"
+    # The logit this kernel gives the keys it hides instead of `Call.fill` (a large negative
+    # constant in its tiles); None when it implements `fill` exactly.
+    hidden_logit: ClassVar[float | None] = None
 
     @property
     def unavailable_reason(self) -> str | None:
@@ -253,6 +287,10 @@ class AttentionKernel(abc.ABC):
     def _attend(self, call: Call) -> jax.Array:
         """[B, Lq, Hq, Dv] attention output for a validated, canonical call."""
 
+    def _hides_keys(self, call: Call) -> bool:
+        """Whether this call hides any key from any query (adapters that pad add theirs)."""
+        return call.features.hides_keys
+
     def __call__(
         self,
         q: jax.Array,
@@ -264,16 +302,27 @@ class AttentionKernel(abc.ABC):
         mask: jax.Array | None = None,
         causal: bool = False,
         kv_lengths: jax.Array | None = None,
+        fill: float = -math.inf,
         layout: str = "BLHD",
     ) -> jax.Array:
         """Attention output in `layout`: [B, Lq, Hq, Dv] ("BLHD") or [B, Hq, Lq, Dv] ("BHLD")."""
         call = make_call(q, k, v, scale=scale, bias=bias, mask=mask, causal=causal,
-                         kv_lengths=kv_lengths, layout=layout)
+                         kv_lengths=kv_lengths, fill=fill, layout=layout)
+        out = self.run(call)
+        return out if layout == "BLHD" else jnp.swapaxes(out, 1, 2)
+
+    def run(self, call: Call) -> jax.Array:
+        """[B, Lq, Hq, Dv] for a canonical call (see `make_call`); raises `KernelError` when
+        this kernel does not take it."""
         support = self.supports(call.site(), call.features)
         if not support:
             raise KernelError(f"kernel {self.name}: {support.reason}")
-        out = self._attend(call)
-        return out if layout == "BLHD" else jnp.swapaxes(out, 1, 2)
+        if self.hidden_logit is None or not self._hides_keys(call):
+            return self._attend(call)
+        from hlotool.kernels.chunked import Chunked  # the exact kernel; imports this module
+
+        return lax.cond(hiding_is_exact(call, self.hidden_logit), self._attend,
+                        Chunked()._attend, call)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
@@ -347,31 +396,96 @@ def flash_cost(
     return cost
 
 
+# A finite fill above this is a soft mask, not a hidden key: `hiding_is_exact` would fail for
+# logits of any ordinary size, so kernels that hide keys their own way refuse it up front.
+HARD_FILL = -1e4
+
+
+def soft_fill_refusal(site: AttentionSite, features: Features) -> Support:
+    """For kernels with a `hidden_logit`: refuse a site whose hidden keys keep a logit too
+    large to be hidden (where(mask, s, -5) is a soft mask the naive program weighs)."""
+    fill = site.mask_fill
+    if features.finite_fill and fill is not None and fill > HARD_FILL:
+        return Support.no(f"hidden keys keep logit {fill:g} (a soft mask, above {HARD_FILL:g}); "
+                          "this kernel hides keys outright")
+    return Support.yes()
+
+
+def visible_keys(call: Call) -> jax.Array | None:
+    """bool, broadcastable to [B, Hq, Lq, Lk]: which keys each query sees; None for all."""
+    lq, lk = call.q.shape[1], call.k.shape[1]
+    visible = call.mask
+    for extra in ((np.arange(lk)[None, :] <= np.arange(lq)[:, None]) if call.causal else None,
+                  None if call.kv_lengths is None
+                  else np.arange(lk) < call.kv_lengths[:, None, None, None]):
+        if extra is not None:
+            visible = extra if visible is None else visible & extra
+    return visible
+
+
 def row_has_key(call: Call) -> jax.Array | None:
     """bool, broadcastable to [B, Hq, Lq, 1]: whether each query row sees at least one key;
-    None when every row does.
-
-    A causal row always sees key 0, so without a mask only kv_lengths[b] == 0 empties a row.
-    """
-    has = None
-    if call.kv_lengths is not None:
-        has = (call.kv_lengths > 0)[:, None, None, None]
-    if call.mask is not None:
-        lq, lk = call.q.shape[1], call.k.shape[1]
-        visible = call.mask
-        if call.kv_lengths is not None:
-            visible = visible & (np.arange(lk) < call.kv_lengths[:, None, None, None])
-        if call.causal:
-            visible = visible & (np.arange(lk)[None, :] <= np.arange(lq)[:, None])
-        has = jnp.any(visible, axis=-1, keepdims=True)
-    return has
+    None when every row does (a causal row always sees key 0)."""
+    if call.mask is None and call.kv_lengths is None:
+        return None
+    return jnp.any(visible_keys(call), axis=-1, keepdims=True)
 
 
 def zero_invalid_keys(call: Call) -> Call:
-    """K and V with positions ≥ kv_lengths set to 0, so NaN/Inf padding cannot leak."""
-    if call.kv_lengths is None:
+    """K and V with positions ≥ kv_lengths set to 0, so NaN/Inf padding cannot leak. Only
+    under an infinite fill: a finite one gives those keys weight, as the naive program does."""
+    if call.kv_lengths is None or math.isfinite(call.fill):
         return call
     keep = (np.arange(call.k.shape[1])[None, :] < call.kv_lengths[:, None])[:, :, None, None]
     return dataclasses.replace(
         call, k=jnp.where(keep, call.k, 0), v=jnp.where(keep, call.v, 0)
     )
+
+
+def empty_row_value(call: Call) -> jax.Array:
+    """[B, 1, Hq, Dv] (f32): what a row with no visible key computes. Under a finite fill every
+    logit of it equals the fill, so softmax is uniform and the row is the mean of v over all
+    keys; under -inf it is zeros (the convention of every kernel here)."""
+    b, _, hq, _ = call.q.shape
+    if not math.isfinite(call.fill):
+        return jnp.zeros((b, 1, hq, call.v.shape[3]), jnp.float32)
+    mean = jnp.mean(call.v.astype(jnp.float32), axis=1, keepdims=True)
+    return jnp.repeat(mean, hq // call.v.shape[2], axis=2)
+
+
+def with_empty_rows(call: Call, out: jax.Array) -> jax.Array:
+    """`out` [B, Lq, Hq, Dv] with rows that see no key set to `empty_row_value`, for kernels
+    whose hiding leaves such rows undefined."""
+    has = row_has_key(call)
+    if has is None:
+        return out
+    return jnp.where(jnp.swapaxes(has, 1, 2), out, empty_row_value(call).astype(out.dtype))
+
+
+# A hidden key whose logit is this far below the row's largest visible logit carries less
+# than 2^-24 of the row's weight even if every key of the row is hidden: below float32
+# resolution of the values averaged, so hiding it outright changes nothing representable.
+_RESOLUTION = 24 * math.log(2) + 1
+
+
+def hiding_is_exact(call: Call, hidden_logit: float) -> jax.Array:
+    """bool scalar: whether a kernel that gives hidden keys `hidden_logit` (and skips what it
+    does not visit) computes this call within float32 resolution of its exact semantics.
+
+    Exact semantics give a hidden key logit `call.fill`. Either way that key's weight is at
+    most exp(max(fill, hidden_logit) - M) for M the row's largest visible logit, and
+    M ≥ -|scale|·max‖q_i‖·max‖k_j‖ + min(bias) (Cauchy-Schwarz); with Lk keys the hidden
+    weight stays below 2^-24 when max(fill, hidden_logit) is ln(Lk) + 24 ln 2 + 1 below that
+    bound. Rows with no visible key are not covered: kernels set them with `with_empty_rows`.
+    The check costs O(L·D) (plus one pass over a bias) and is false on any non-finite input,
+    sending the call to the exact kernel.
+    """
+    f32 = jnp.float32
+    q_norm = jnp.max(jnp.sqrt(jnp.sum(jnp.square(call.q.astype(f32)), axis=-1)))
+    k_norm = jnp.max(jnp.sqrt(jnp.sum(jnp.square(call.k.astype(f32)), axis=-1)))
+    lowest = -abs(call.scale) * q_norm * k_norm
+    if call.bias is not None:
+        lowest = lowest + jnp.min(call.bias.astype(f32))
+    margin = math.log(max(call.k.shape[1], 1)) + _RESOLUTION
+    hidden = max(call.fill, hidden_logit)
+    return jnp.isfinite(lowest) & (hidden + margin < lowest)

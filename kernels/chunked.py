@@ -4,8 +4,15 @@ Queries are processed in blocks of `block_q`, keys in blocks of `block_k`; a que
 carries its running max, normalizer and output accumulator across key blocks (FlashAttention),
 so memory is O(L·D) plus one [Hq, block_q, block_k] score tile. Under `causal`, key blocks
 entirely above the diagonal are skipped by the loop bounds, not computed and masked. The
-backward pass (custom VJP) recomputes score tiles from Q, K, V and the saved log-sum-exp
-instead of storing probabilities.
+backward pass (custom VJP) recomputes score tiles from Q, K, V and the saved row max and
+normalizer instead of storing probabilities (kept apart, not as one log-sum-exp: beside a
+finfo.min bias the max absorbs the log of the normalizer).
+
+Hidden keys get exactly `fill` (see `hlotool.kernels.base`). With a finite fill the keys of
+skipped blocks still carry weight exp(fill - max): they enter in closed form, through suffix
+sums of V over keys (forward) and prefix sums of w·dO over queries (backward), so skipping
+stays exact. Keys the kernel itself pads to a block multiple are not in the program and are
+always -inf.
 
 Internal layout: q [B, Hkv, G, Lq, D] with G = Hq / Hkv query heads per K/V head, so GQA
 never repeats K/V; k [B, Hkv, Lk, D]; v [B, Hkv, Lk, Dv]; bias and mask [B|1, Hkv|1, G|1,
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +48,14 @@ class _Static:
 
     block_q: int
     block_k: int
-    kv_len: int  # unpadded; keys at and beyond it are masked
+    kv_len: int  # unpadded; keys at and beyond it are padding, never seen
     causal: bool
+    fill: float  # logit of a hidden key
+
+    @property
+    def skipped_keys_count(self) -> bool:
+        """Whether skipped (causal) blocks carry weight that must be added back."""
+        return self.causal and math.isfinite(self.fill)
 
 
 def _cdiv(a, b):
@@ -59,8 +73,10 @@ def _tile(x: jax.Array | None, i, j, st: _Static) -> jax.Array | None:
     return x
 
 
-def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static) -> jax.Array:
-    """f32 [B, Hkv, G·block_q, block_k] scores of tile (i, j), -inf where not visible.
+def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static
+            ) -> tuple[jax.Array, jax.Array | None]:
+    """f32 [B, Hkv, G·block_q, block_k] logits of tile (i, j) — `fill` where hidden, -inf on
+    padding — and whether each key is visible (None when all are).
 
     q_i: [B, Hkv, G·block_q, D], the G query heads of a K/V head stacked as rows, so each
     tile is one batched matmul per K/V head.
@@ -74,8 +90,6 @@ def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static) -> jax.Array:
     visible = None
     if kv_lengths is not None:
         visible = k_pos < kv_lengths[:, None, None, None, None]
-    elif st.kv_len % st.block_k:
-        visible = k_pos < st.kv_len
     if st.causal:
         q_pos = i * st.block_q + lax.iota(jnp.int32, st.block_q)
         causal = q_pos[:, None] >= k_pos[None, :]
@@ -84,8 +98,12 @@ def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static) -> jax.Array:
         m = _tile(mask, i, j, st)
         visible = m if visible is None else visible & m
     if visible is not None:
-        s = jnp.where(visible, s, -jnp.inf)
-    return s.reshape(b, hkv, rows, bk)
+        visible = jnp.broadcast_to(visible, s.shape)
+        s = jnp.where(visible, s, st.fill)
+    if st.kv_len % st.block_k:
+        s = jnp.where(k_pos < st.kv_len, s, -jnp.inf)
+    flat = (b, hkv, rows, bk)
+    return s.reshape(flat), None if visible is None else visible.reshape(flat)
 
 
 def _rows(x: jax.Array, i, st: _Static) -> jax.Array:
@@ -108,11 +126,21 @@ def _first_q_block(j, st: _Static):
     return (j * st.block_k) // st.block_q
 
 
+def _skipped_keys(i, st: _Static) -> jax.Array:
+    """Position of the first key block query block i does not visit (causal)."""
+    return _num_k_blocks(i, _cdiv(st.kv_len, st.block_k), st) * st.block_k
+
+
 def _forward(q, k, v, bias, mask, kv_lengths, st: _Static):
-    """out [B, Hkv, G, Lq, Dv] (f32) and lse [B, Hkv, G, Lq] (+inf for rows with no key)."""
+    """out [B, Hkv, G, Lq, Dv] (f32) and each row's max and normalizer [B, Hkv, G, Lq]
+    (0 and 1 for a row that saw nothing, whose out is then zeros)."""
     b, hkv, g, lq, _ = q.shape
     dv = v.shape[-1]
     nq, nk = lq // st.block_q, k.shape[2] // st.block_k
+    if st.skipped_keys_count:
+        # suffix[j] = sum of v over keys j .. kv_len-1 (v is zero beyond kv_len)
+        suffix = jnp.cumsum(v[:, :, ::-1].astype(jnp.float32), axis=2)[:, :, ::-1]
+        suffix = jnp.concatenate([suffix, jnp.zeros_like(suffix[:, :, :1])], axis=2)
 
     def query_block(i):
         q_i = _rows(q, i, st)
@@ -121,7 +149,7 @@ def _forward(q, k, v, bias, mask, kv_lengths, st: _Static):
             m, l, acc = carry
             k_j = lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, axis=2)
             v_j = lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, axis=2)
-            s = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
+            s, _ = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             # Rows that have seen no key yet keep m = -inf; shift them by 0 so exp gives 0.
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -136,29 +164,50 @@ def _forward(q, k, v, bias, mask, kv_lengths, st: _Static):
         init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
                 jnp.zeros(rows + (dv,), jnp.float32))
         m, l, acc = lax.fori_loop(0, _num_k_blocks(i, nk, st), key_block, init)
+        if st.skipped_keys_count:
+            # The keys of the blocks not visited, each with logit `fill`, in closed form.
+            start = jnp.minimum(_skipped_keys(i, st), st.kv_len)
+            count = (st.kv_len - start).astype(jnp.float32)
+            m_new = jnp.where(count > 0, jnp.maximum(m, st.fill), m)
+            corr = jnp.exp(m - m_new)
+            w = jnp.where(count > 0, jnp.exp(st.fill - m_new), 0.0)
+            tail = lax.dynamic_index_in_dim(suffix, start, axis=2, keepdims=False)
+            l = l * corr + count * w
+            acc = acc * corr[..., None] + w[..., None] * tail[:, :, None, :]
+            m = m_new
         empty = l == 0
         out = acc / jnp.where(empty, 1.0, l)[..., None]
-        lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-        return out.reshape(b, hkv, g, st.block_q, dv), lse.reshape(b, hkv, g, st.block_q)
+        m, l = jnp.where(empty, 0.0, m), jnp.where(empty, 1.0, l)
+        shape = (b, hkv, g, st.block_q)
+        return out.reshape(shape + (dv,)), m.reshape(shape), l.reshape(shape)
 
     if nq == 1:
         return query_block(0)
-    out, lse = lax.map(query_block, jnp.arange(nq))
+    out, m, l = lax.map(query_block, jnp.arange(nq))
     # [nq, B, Hkv, G, bq, ...] -> [B, Hkv, G, nq * bq, ...]
     out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, lq, dv)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(b, hkv, g, lq)
-    return out, lse
+    m = jnp.moveaxis(m, 0, 3).reshape(b, hkv, g, lq)
+    l = jnp.moveaxis(l, 0, 3).reshape(b, hkv, g, lq)
+    return out, m, l
 
 
-def _backward(q, k, v, bias, mask, kv_lengths, out, lse, do, st: _Static):
+def _backward(q, k, v, bias, mask, kv_lengths, out, m, l, do, st: _Static):
     """dq, dk, dv, dbias (f32; dbias None without bias), recomputing each score tile once.
 
     One loop over key blocks accumulates that block's dk, dv over the query blocks that see
-    it, and adds each tile's contribution into dq.
+    it, and adds each tile's contribution into dq. A hidden key's logit is the constant fill:
+    it passes no gradient to q, k or bias, only its weight to dv.
     """
     b, hkv, g, lq, d = q.shape
     nq, nk = lq // st.block_q, k.shape[2] // st.block_k
     delta = jnp.sum(out * do, axis=-1)  # [B, Hkv, G, Lq]
+    if st.skipped_keys_count:
+        # prefix[r] = sum over query rows < r (and the G heads) of w_r · dO_r, w_r the weight
+        # row r gives each key it skips.
+        w = jnp.exp(st.fill - m) / l
+        contrib = jnp.sum(w[..., None] * do, axis=2)  # [B, Hkv, Lq, Dv]
+        prefix = jnp.concatenate([jnp.zeros_like(contrib[:, :, :1]),
+                                  jnp.cumsum(contrib, axis=2)], axis=2)
 
     def key_block(j, carry):
         dq, dk, dv, dbias = carry
@@ -168,12 +217,14 @@ def _backward(q, k, v, bias, mask, kv_lengths, out, lse, do, st: _Static):
         def query_block(i, inner):
             dq, dk_j, dv_j, dbias = inner
             q_i, do_i = _rows(q, i, st), _rows(do, i, st)
-            lse_i, delta_i = _rows(lse, i, st), _rows(delta, i, st)
-            s = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
-            p = jnp.exp(s - lse_i[..., None])
+            m_i, l_i, delta_i = _rows(m, i, st), _rows(l, i, st), _rows(delta, i, st)
+            s, visible = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
+            p = jnp.exp(s - m_i[..., None]) / l_i[..., None]
             dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", p, do_i)
             dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
             ds = p * (dp - delta_i[..., None])
+            if visible is not None:
+                ds = jnp.where(visible, ds, 0.0)
             dk_j = dk_j + jnp.einsum("bhqk,bhqd->bhkd", ds, q_i,
                                      preferred_element_type=jnp.float32)
             dq_i = _rows(dq, i, st) + jnp.einsum("bhqk,bhkd->bhqd", ds, k_j,
@@ -192,8 +243,15 @@ def _backward(q, k, v, bias, mask, kv_lengths, out, lse, do, st: _Static):
 
         zeros_k = jnp.zeros(k_j.shape, jnp.float32)
         zeros_v = jnp.zeros(v_j.shape, jnp.float32)
+        first = _first_q_block(j, st)
         dq, dk_j, dv_j, dbias = lax.fori_loop(
-            _first_q_block(j, st), nq, query_block, (dq, zeros_k, zeros_v, dbias))
+            first, nq, query_block, (dq, zeros_k, zeros_v, dbias))
+        if st.skipped_keys_count:
+            # Query blocks before `first` skip this key block: each of its keys gets their
+            # weighted dO (padding keys too; they are cut off by the caller).
+            skipped = lax.dynamic_index_in_dim(prefix, first * st.block_q, axis=2,
+                                               keepdims=True)
+            dv_j = dv_j + skipped
         dk = lax.dynamic_update_slice_in_dim(dk, dk_j, j * st.block_k, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_j, j * st.block_k, axis=2)
         return dq, dk, dv, dbias
@@ -210,13 +268,13 @@ def _flash(q, k, v, bias, mask, kv_lengths, st: _Static):
 
 
 def _flash_fwd(q, k, v, bias, mask, kv_lengths, st):
-    out, lse = _forward(q, k, v, bias, mask, kv_lengths, st)
-    return out, (q, k, v, bias, mask, kv_lengths, out, lse)
+    out, m, l = _forward(q, k, v, bias, mask, kv_lengths, st)
+    return out, (q, k, v, bias, mask, kv_lengths, out, m, l)
 
 
 def _flash_bwd(st, residuals, do):
-    q, k, v, bias, mask, kv_lengths, out, lse = residuals
-    dq, dk, dv, dbias = _backward(q, k, v, bias, mask, kv_lengths, out, lse,
+    q, k, v, bias, mask, kv_lengths, out, m, l = residuals
+    dq, dk, dv, dbias = _backward(q, k, v, bias, mask, kv_lengths, out, m, l,
                                   do.astype(jnp.float32), st)
     cast = lambda d, x: None if x is None else d.astype(x.dtype)  # noqa: E731
     return cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None, None
@@ -241,7 +299,8 @@ def _block(length: int, block: int) -> int:
 
 
 class Chunked(AttentionKernel):
-    """Blockwise online-softmax in plain JAX; runs everywhere, any mask, GQA, any head dim.
+    """Blockwise online-softmax in plain JAX; runs everywhere, any mask and fill, GQA, any
+    head dim.
 
     block_q, block_k: tile sizes (lengths are padded up to a multiple; the padding is masked).
     """
@@ -269,7 +328,7 @@ class Chunked(AttentionKernel):
         g = hq // hkv
         bq, bk = _block(lq, self.block_q), _block(lk, self.block_k)
         lq_p, lk_p = _cdiv(lq, bq) * bq, _cdiv(lk, bk) * bk
-        st = _Static(bq, bk, lk, call.causal)
+        st = _Static(bq, bk, lk, call.causal, call.fill)
         # Scaling q (L·D) is cheaper than scaling every score tile (L·L).
         q = (call.q * jnp.asarray(call.scale, call.q.dtype)).reshape(b, lq, hkv, g, d)
         q = _pad_axis(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, lq_p)

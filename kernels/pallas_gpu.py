@@ -10,7 +10,10 @@ segment-id array [B, L] indexed by both query and key position. The adapter brid
     only when Lq ≤ Lk (query i and key i share the id at position i), so Lq > Lk needs an
     Lk that is already tileable;
   - head dims: zero-pads D and Dv to one size;
-  - GQA/MQA: repeats K/V heads.
+  - GQA/MQA: repeats K/V heads;
+  - hidden keys: upstream gives them its mask value, not the call's `fill`, so a call that
+    hides keys runs here only where `base.hiding_is_exact` shows that changes nothing
+    representable (else in the chunked kernel).
 It refuses (with the reason) what one shared segment-id array cannot express: additive bias,
 boolean masks and kv_lengths. Gradients come from upstream's custom VJP.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hlotool.kernels._upstream import probe
 from hlotool.kernels.base import (
@@ -32,11 +36,14 @@ from hlotool.kernels.base import (
     KernelCost,
     Support,
     flash_cost,
+    soft_fill_refusal,
 )
 from hlotool.site import AttentionSite
 
 UPSTREAM = "jax.experimental.pallas.ops.gpu.attention"
 _BLOCK = 128
+# Upstream's mask value (its DEFAULT_MASK_VALUE) for causal and segment-masked keys.
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -82,6 +89,7 @@ class PallasGpuFlash(AttentionKernel):
 
     name = "pallas_gpu"
     platforms = ("cuda",)
+    hidden_logit = _MASKED
 
     def __init__(self, interpret: bool = False) -> None:
         self.interpret = interpret
@@ -109,7 +117,10 @@ class PallasGpuFlash(AttentionKernel):
         if _backward_blocks(plan[0], plan[1]) is None:
             return Support.no(f"padded lengths q {plan[0]}, kv {plan[1]} split into no equal "
                               "number of power-of-two blocks (upstream's fused backward)")
-        return Support.yes()
+        return soft_fill_refusal(site, features)
+
+    def _hides_keys(self, call: Call) -> bool:
+        return super()._hides_keys(call) or _plan(call.q.shape[1], call.k.shape[1])[2]
 
     def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
         lq_p, lk_p, _ = _plan(site.q_len, site.kv_len) or (site.q_len, site.kv_len, False)

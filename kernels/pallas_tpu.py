@@ -12,7 +12,10 @@ divisible by its blocks, head dims ≤ 128 or multiples of 128, an optional dens
   - kv_lengths: segment ids (q id 1; kv id 1 below the length, 0 beyond), not a dense bias;
   - boolean masks: folded into the dense bias `ab` as a large negative value;
   - scale: applied to q, since upstream scales the bias together with q·kᵀ;
-  - rows with no visible key: set to zero after the kernel (upstream would average them).
+  - hidden keys: upstream gives them its mask value, not the call's `fill`, so a call that
+    hides keys runs here only where `base.hiding_is_exact` shows that changes nothing
+    representable (else in the chunked kernel), and rows with no visible key are set to
+    what `fill` gives them after the kernel (upstream would average them).
 Gradients (dq, dk, dv, dbias) come from upstream's custom VJP; its backward `pallas_call`s,
 which upstream builds without a `cost_estimate`, get one (see `_costed`).
 
@@ -39,8 +42,9 @@ from hlotool.kernels.base import (
     KernelCost,
     Support,
     flash_cost,
-    row_has_key,
+    soft_fill_refusal,
     visible_fraction,
+    with_empty_rows,
     zero_invalid_keys,
 )
 from hlotool.site import AttentionSite
@@ -87,6 +91,7 @@ class PallasTpuFlash(AttentionKernel):
 
     name = "pallas_tpu"
     platforms = ("tpu",)
+    hidden_logit = _MASKED
 
     def __init__(self) -> None:
         self._upstream, self._reason = probe(
@@ -103,7 +108,7 @@ class PallasTpuFlash(AttentionKernel):
         if site.dtype not in ("float32", "bfloat16"):
             return Support.no(f"dtype {site.dtype} unsupported (TPU flash takes float32, "
                               "bfloat16)")
-        return Support.yes()
+        return soft_fill_refusal(site, features)
 
     def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
         bq, bk = block_for(padded_length(site.q_len)), block_for(padded_length(site.kv_len))
@@ -115,9 +120,12 @@ class PallasTpuFlash(AttentionKernel):
             cost += KernelCost(0, 0, ab * (3 if backward else 1), 0)
         return cost
 
+    def _hides_keys(self, call: Call) -> bool:
+        return super()._hides_keys(call) or padded_length(call.k.shape[1]) != call.k.shape[1]
+
     def _attend(self, call: Call) -> jax.Array:
         fa = self._upstream
-        has_key = row_has_key(call)
+        exact = call
         call = zero_invalid_keys(call)
         b, lq, hq, d = call.q.shape
         lk, hkv, dv = call.k.shape[1], call.k.shape[2], call.v.shape[3]
@@ -165,6 +173,4 @@ class PallasTpuFlash(AttentionKernel):
         out = with_backward_costs(flash, functools.partial(_backward_estimate, scores, d_p))(
             q, k, v, ab, aux=segment_ids)
         out = jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)  # [B, Lq, Hq, Dv]
-        if has_key is not None:
-            out = jnp.where(jnp.swapaxes(has_key, 1, 2), out, 0)
-        return out
+        return with_empty_rows(exact, out)

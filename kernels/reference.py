@@ -1,5 +1,5 @@
-"""The naive formula, `softmax(scale·q·kᵀ + bias, masked)·v`: the definition of the kernels'
-semantics, the oracle of their tests and the "native" side of comparisons.
+"""The naive formula, `softmax(where(visible, scale·q·kᵀ + bias, fill))·v`: the definition of
+the kernels' semantics, the oracle of their tests and the "native" side of comparisons.
 
 It materializes the [B, Hq, Lq, Lk] scores; gradients come from autodiff.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hlotool.kernels.base import (
     AttentionKernel,
@@ -17,26 +16,10 @@ from hlotool.kernels.base import (
     KernelCost,
     Support,
     naive_cost,
+    visible_keys,
     zero_invalid_keys,
 )
 from hlotool.site import AttentionSite
-
-
-def visible_keys(call: Call) -> jax.Array | None:
-    """bool, broadcastable to [B, Hq, Lq, Lk]: which keys each query sees; None for all."""
-    lq, lk = call.q.shape[1], call.k.shape[1]
-    visible = None
-
-    def both(a, b):
-        return b if a is None else a & b
-
-    if call.mask is not None:
-        visible = call.mask
-    if call.causal:
-        visible = both(visible, np.arange(lk)[None, :] <= np.arange(lq)[:, None])
-    if call.kv_lengths is not None:
-        visible = both(visible, np.arange(lk) < call.kv_lengths[:, None, None, None])
-    return visible
 
 
 class Reference(AttentionKernel):
@@ -64,7 +47,7 @@ class Reference(AttentionKernel):
             s = s + call.bias.astype(f32)
         visible = visible_keys(call)
         if visible is not None:
-            s = jnp.where(visible, s, -jnp.inf)
+            s = jnp.where(visible, s, call.fill)
         m = jnp.max(s, axis=-1, keepdims=True)
         # A row with no visible key has m = -inf; shifting by 0 keeps its exps at 0, not NaN.
         p = jnp.exp(s - jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0)))

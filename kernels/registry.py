@@ -1,6 +1,14 @@
-"""Which kernel runs a site on a platform, and the platform-dispatching `attention`."""
+"""Which kernel runs a site on a platform, and the platform-dispatching `attention`.
+
+`per_platform` is the one place a program is split by platform
+(`jax.lax.platform_dependent`): the kernel dispatcher here and `hlotool.flash_jit`'s
+rewritten sites both go through it.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import Any, Callable, Hashable, Mapping
 
 import jax
 
@@ -57,6 +65,23 @@ def select(
     raise KernelError(f"no kernel takes this site on {platform}: {'; '.join(skipped)}")
 
 
+# Platforms `per_platform` can give a branch of their own; every other one (CPU, ...) runs
+# the "cpu" choice.
+PLATFORMS = ("cpu", "tpu", "cuda")
+
+
+def per_platform(choices: Mapping[str, Hashable], branch: Callable[[Any], Callable[..., Any]],
+                 *args: Any) -> Any:
+    """`branch(choices[p])(*args)` on each platform p of `PLATFORMS`, "cpu" standing for every
+    platform not named. One traced branch per distinct choice: platforms that choose what the
+    CPU chooses share its branch, and one choice everywhere needs no dispatch at all."""
+    default = choices["cpu"]
+    own = {p: branch(choices[p]) for p in PLATFORMS[1:] if choices[p] != default}
+    if not own:
+        return branch(default)(*args)
+    return jax.lax.platform_dependent(*args, **own, default=branch(default))
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -67,6 +92,7 @@ def attention(
     mask: jax.Array | None = None,
     causal: bool = False,
     kv_lengths: jax.Array | None = None,
+    fill: float = -math.inf,
     layout: str = "BLHD",
     kernel: str = "auto",
 ) -> jax.Array:
@@ -78,23 +104,17 @@ def attention(
     kernel everywhere.
     """
     kwargs = dict(scale=scale, bias=bias, mask=mask, causal=causal, kv_lengths=kv_lengths,
-                  layout=layout)
+                  fill=fill, layout=layout)
     if kernel != "auto":
         return get(kernel)(q, k, v, **kwargs)
     call = make_call(q, k, v, **kwargs)
     site, features = call.site(), call.features
-    chosen = {p: select(site, p, features)[0] for p in ("tpu", "cuda", "default")}
-    if len(set(map(id, chosen.values()))) == 1:
-        return chosen["default"](q, k, v, **kwargs)
+    chosen = {p: select(site, p, features)[0].name for p in PLATFORMS}
 
-    def branch(kern: AttentionKernel):
+    def branch(name: str):
         def run(q, k, v, bias, mask, kv_lengths):
-            return kern(q, k, v, scale=scale, bias=bias, mask=mask, causal=causal,
-                        kv_lengths=kv_lengths, layout=layout)
+            return get(name)(q, k, v, scale=scale, bias=bias, mask=mask, causal=causal,
+                             kv_lengths=kv_lengths, fill=fill, layout=layout)
         return run
 
-    return jax.lax.platform_dependent(
-        q, k, v, bias, mask, kv_lengths,
-        tpu=branch(chosen["tpu"]), cuda=branch(chosen["cuda"]),
-        default=branch(chosen["default"]),
-    )
+    return per_platform(chosen, branch, q, k, v, bias, mask, kv_lengths)

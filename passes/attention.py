@@ -22,16 +22,21 @@ import numpy as np
 
 from hlotool.errors import HlotoolError
 from hlotool.passes import axes
+from hlotool.passes.logits import Logits, replay
 from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, fold, strip, uniform_value
 from hlotool.passes.pattern import Alt, Any, Chain, Const, Link, Op, Same, Step, Through
 from hlotool.site import AttentionSite
 
-# A masked score is filled with -inf, finfo.min or any large negative constant.
+# An additive constant is read as a causal mask when it is 0 on and below the diagonal and at
+# most this above it. Whether it hides those keys outright is the lowering's question
+# (`passes/lower.py`): only -inf does; any finite value stays in the program as a bias.
 LARGE_NEGATIVE = -1e4
 
 
-def _is_large_negative(v: float) -> bool:
-    return v <= LARGE_NEGATIVE
+def _fill(v: float) -> bool:
+    # Any constant: where(mask, s, -5) is still softmax attention, with a soft mask the
+    # lowering passes on exactly. NaN and +inf fills make every row NaN.
+    return not math.isnan(v) and v != math.inf
 
 
 SCORES = Op("dot_general", Any(), Any(), name="scores")
@@ -42,7 +47,7 @@ LOGITS = Chain(
     Step("scale", "div", chain_at=(0,), sides=(Const(lambda v: v != 0),)),
     Step("bias", "add", chain_at=(0, 1), sides=(Any(),)),
     Step("bias", "sub", chain_at=(0,), sides=(Any(),)),
-    Step("mask", "select", chain_at=(1, 2), sides=(Any(), Const(_is_large_negative))),
+    Step("mask", "select", chain_at=(1, 2), sides=(Any(), Const(_fill))),
     record="logits_path",
     name="logits",
 )
@@ -94,21 +99,23 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """q, k or v as it enters the site, before the layout ops and pre-scaling followed."""
+    """q, k or v as it enters the site, before the layout ops and pre-scaling it goes
+    through on the way to the dot."""
 
     node: Node
     layout: Layout  # to [B, L, H, D] (v: [B, Lk, Hkv, Dv])
-    followed: tuple[Node, ...]  # the layout/scale nodes between `node` and the dot
 
 
 @dataclasses.dataclass(frozen=True)
 class MaskTerm:
-    """One mask step on the scores, in kernel terms.
+    """One mask or bias step on the scores.
 
-    kind "causal": built from constants alone and equal to tril (query i sees keys ≤ i).
-    kind "additive": `scores + sign * operand`. kind "boolean": `where(operand == keep_when,
-    scores, fill)`. `operand` is the node as the program holds it (None for causal);
-    `scores_layout` maps `broadcast_to(operand, at.shape)` to [B, Hq, Lq, Lk].
+    kind "causal": built from constants alone and equal to tril (query i sees keys ≤ i), as a
+    select (`via` "mask") or as an additive constant (`via` "bias": 0 on and below the
+    diagonal, `fill` the largest value above it). kind "additive": `scores + sign * operand`.
+    kind "boolean": `where(operand == keep_when, scores, fill)`. `operand` is the node as the
+    program holds it (None for a causal select); `scores_layout` maps
+    `broadcast_to(operand, at.shape)` to [B, Hq, Lq, Lk].
     """
 
     kind: str
@@ -120,6 +127,23 @@ class MaskTerm:
     fill: float | None = None
     keep_when: bool = True
     key_lengths: Node | None = None  # where `operand` is iota(key) < lengths[..., None]
+    via: str = "mask"  # "mask" (a select) or "bias" (an add/sub)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitStep:
+    """One step from the scores to the softmax input, in program order.
+
+    kind "scale": `x * value` or `x / value` (`op`); "cast": a convert to `dtype`; "mask" /
+    "bias": the `term` applied. `dtype` is the step's result dtype: the lowering replays the
+    fill through the steps after it in these dtypes, as the program computes it.
+    """
+
+    kind: str
+    dtype: str
+    op: str = ""
+    value: float | None = None
+    term: MaskTerm | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +158,8 @@ class Match:
     out_layout: Layout  # [B, Lq, Hq, Dv] ↔ `out`
     scale: float
     masks: tuple[MaskTerm, ...]  # in the order the program applies them
+    steps: tuple[LogitStep, ...]  # scores → softmax input, program order
+    logits: Logits  # what those steps compute, in kernel terms (or why nothing)
     body: tuple[Node, ...]  # every node computing the site from q/k/v/masks to `out`
     internals: dict[str, Node]  # scores, logits, row_max, exp, row_sum, probs
     region: tuple = ()  # the matched graph's path (jaxpr body path, HLO computation name)
@@ -184,9 +210,9 @@ def _operand_labels(node: Node, batch: tuple[int, ...], contract: tuple[int, ...
             out.append(frozenset({("b", batch.index(a))}))
         elif a in contract:
             out.append(frozenset({("c", contract.index(a))}))
-        elif node.shape[a] == 1:
-            out.append(axes.EMPTY)
         else:
+            # Unit free axes are labelled too: a decode step's single query (Lq = 1), or a
+            # single key (Lk = 1), is still the length axis the softmax and masks refer to.
             out.append(frozenset({(free_kind, a)}))
     return tuple(out)
 
@@ -237,7 +263,9 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     kside = kinds.pop()
     qside = "r" if kside == "l" else "l"
     k_labels, q_labels = (left, right) if kside == "l" else (right, left)
-    k_free = {t for lab in k_labels for t in lab if t[0] == kside}
+    k_shape = (scores.inputs[0] if kside == "l" else scores.inputs[1]).shape
+    k_free = {t for a, lab in enumerate(k_labels) for t in lab
+              if t[0] == kside and (k_shape[a] != 1 or t in key_tokens)}
     if k_free != key_tokens:
         raise _Reject  # K has a free axis the softmax does not run over
     if any(logits_labels[a] != key_tokens for a in reduced if m["exp"].shape[a] != 1):
@@ -281,12 +309,12 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     # Q decides which batch axis holds the heads and which free axis the query length.
     q_node = scores.inputs[1] if kside == "l" else scores.inputs[0]
     k_node = scores.inputs[0] if kside == "l" else scores.inputs[1]
-    q_entry, q_entry_labels, q_scale, q_followed = _trace(q_node, q_labels, qside, None)
+    q_entry, q_entry_labels, q_scale = _trace(q_node, q_labels, qside, None)
     qlen_token, head_token, parts = _query_axes(q_entry, q_entry_labels, qside)
     roles = _Roles(qside, kside, qlen_token, head_token, parts)
 
-    k_entry, k_entry_labels, k_scale, k_followed = _trace(k_node, k_labels, qside, head_token)
-    v_entry, v_entry_labels, v_scale, v_followed = _trace(v_node, v_labels, qside, head_token)
+    k_entry, k_entry_labels, k_scale = _trace(k_node, k_labels, qside, head_token)
+    v_entry, v_entry_labels, v_scale = _trace(v_node, v_labels, qside, head_token)
     if v_scale != 1.0:
         raise _Reject  # a scaled V is not a softmax scale
     q_layout = roles.layout(q_entry.shape, q_entry_labels, "BLHD")
@@ -300,17 +328,26 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         raise _Reject
 
     scale = q_scale * k_scale
-    masks = []
-    for link in reversed(logits_links):  # program order
+    masks, steps = [], []
+    for at, link in reversed(list(enumerate(logits_links))):  # program order
+        node = link.node
         if link.kind == "scale":
             value = uniform_value(link.sides[0])
-            scale = scale * value if link.node.op == "mul" else scale / value
+            scale = scale * value if node.op == "mul" else scale / value
+            steps.append(LogitStep("scale", node.dtype, node.op, value))
         elif link.kind in ("bias", "mask"):
-            link_labels = _follow(logits_links[logits_links.index(link) + 1:], score_labels)
-            masks.append(_mask_term(link, link_labels, roles))
+            term = _mask_term(link, _follow(logits_links[at + 1:], score_labels), roles)
+            masks.append(term)
+            steps.append(LogitStep(link.kind, node.dtype, term=term))
+        elif node.op in ("convert", "reduce_precision"):
+            steps.append(LogitStep("cast", node.dtype))
     has_scale = (q_scale != 1.0 or k_scale != 1.0
                  or any(link.kind == "scale" for link in logits_links))
-
+    chain = replay(steps)
+    if chain.refusal is None:
+        # What the chain makes of each term: an additive causal constant that does not end
+        # -inf is an additive bias.
+        masks = [t for t, _ in chain.biases] + list(chain.masks)
     kinds = [t.kind for t in masks]
     kind = next((k for k in ("additive", "boolean", "causal") if k in kinds), "none")
     reported = next((t for t in masks if t.kind == kind), None)
@@ -320,6 +357,7 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         batch=b, q_len=lq, kv_len=lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
         v_head_dim=dv, dtype=q_entry.dtype, scale=scale if has_scale else None, mask=kind,
         mask_shape=reported.shape if reported is not None and kind != "causal" else None,
+        mask_fill=chain.fill if chain.refusal is None and chain.masks else None,
         q_shape=q_entry.shape, k_shape=k_entry.shape, v_shape=v_entry.shape,
         layout=q_layout.roles, softmax_dtype=m["exp"].dtype, function=function,
         source=scores.source or out.source,
@@ -328,11 +366,11 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     stops |= {id(s) for link in logits_links for s in link.sides}
     return Match(
         site=site,
-        q=Operand(q_entry, q_layout, q_followed),
-        k=Operand(k_entry, k_layout, k_followed),
-        v=Operand(v_entry, v_layout, v_followed),
-        out=out, out_layout=out_layout, scale=scale, masks=tuple(masks),
-        body=_body(out, stops), internals=internals,
+        q=Operand(q_entry, q_layout),
+        k=Operand(k_entry, k_layout),
+        v=Operand(v_entry, v_layout),
+        out=out, out_layout=out_layout, scale=scale, masks=tuple(masks), steps=tuple(steps),
+        logits=chain, body=_body(out, stops), internals=internals,
     )
 
 
@@ -369,14 +407,14 @@ def _depends_on(node: Node, target: Node, position: dict[int, int]) -> bool:
 
 
 def _trace(node: Node, labels: axes.Labels, qside: str, head_token
-           ) -> tuple[Node, axes.Labels, float, tuple[Node, ...]]:
+           ) -> tuple[Node, axes.Labels, float]:
     """Follow an operand back through casts, transposes, head repeats and constant scaling.
 
     Stops at the first op that changes more than layout: a reshape that splits or merges a
     length or head-dim axis, a broadcast of anything but heads (GQA/MQA K and V), or a
     `tile`-ordered head repeat (query head h would not use kv head h // group).
     """
-    scale, followed = 1.0, []
+    scale = 1.0
     before_reshape = None
     while True:
         op = node.op
@@ -388,7 +426,7 @@ def _trace(node: Node, labels: axes.Labels, qside: str, head_token
             step = axes.backward(node, labels)
             if step is None or not _reshape_keeps_axes(node, labels, qside):
                 break
-            before_reshape = (node, labels, scale, tuple(followed))
+            before_reshape = (node, labels, scale)
         elif op == "broadcast" and head_token is not None:
             step = axes.backward(node, labels)
             repeat = step and _head_repeat(node, labels, step[1], head_token)
@@ -402,15 +440,13 @@ def _trace(node: Node, labels: axes.Labels, qside: str, head_token
                 break
             value = uniform_value(node.inputs[1 - at])
             scale = scale * value if op == "mul" else scale / value
-            followed.append(node)
             node = node.inputs[at]
             continue
         else:
             break
-        followed.append(node)
         labels = step[0]
         node = node.inputs[0]
-    return node, labels, scale, tuple(followed)
+    return node, labels, scale
 
 
 def _scaled_operand(node: Node) -> int | None:
@@ -460,8 +496,9 @@ def _query_axes(entry: Node, labels: axes.Labels, qside: str):
     Q spreads over several axes (a dot over [B*H, L, D]) is split into those axes' roles:
     `parts[token]` lists (role, size) of Q's axes carrying it, in order.
     """
-    pure_free = [(a, lab) for a, lab in enumerate(labels)
-                 if lab and all(t[0] == qside for t in lab) and entry.shape[a] != 1]
+    pure = [(a, lab) for a, lab in enumerate(labels) if lab and all(t[0] == qside for t in lab)]
+    # The first non-unit one; a unit one only when Q has no other (one query: Lq = 1).
+    pure_free = [(a, lab) for a, lab in pure if entry.shape[a] != 1] or pure[:1]
     if not pure_free or len(pure_free[0][1]) != 1:
         raise _Reject
     len_axis, (qlen_token,) = pure_free[0]
@@ -575,10 +612,14 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
     value = fold(operand)
     kind = "additive" if link.kind == "bias" else "boolean"
     if value is not None and _is_causal(value, node, labels, roles, link.kind, sign, keep_when):
-        return MaskTerm("causal", node, None, shape, scores_layout)
+        if link.kind == "mask":
+            return MaskTerm("causal", node, None, shape, scores_layout, fill=fill)
+        return MaskTerm("causal", node, operand, shape, scores_layout, sign=sign,
+                        fill=_above_diagonal(value, node, labels, roles, sign), via="bias")
     return MaskTerm(kind, node, operand, shape, scores_layout, sign=sign, fill=fill,
                     keep_when=keep_when, key_lengths=_key_lengths(operand, keep_when, labels,
-                                                                  roles, node))
+                                                                  roles, node),
+                    via=link.kind)
 
 
 def _broadcast_shape(operand: Node, rank: int) -> tuple[int, ...]:
@@ -618,21 +659,36 @@ def _qk_axes(labels: axes.Labels, roles: _Roles) -> tuple[int, int] | None:
     return q_axes[0], k_axes[0]
 
 
+def _score_plane(value: np.ndarray, node: Node, labels: axes.Labels, roles: _Roles
+                 ) -> np.ndarray | None:
+    """The [Lq, Lk] plane of a constant broadcast against the scores at `node`."""
+    qk = _qk_axes(labels, roles)
+    if qk is None:
+        return None
+    value = np.broadcast_to(value, node.shape)
+    plane = value[tuple(slice(None) if a in qk else 0 for a in range(value.ndim))]
+    if plane.ndim != 2:
+        return None
+    return plane.T if qk[0] > qk[1] else plane
+
+
+def _above_diagonal(value: np.ndarray, node: Node, labels: axes.Labels, roles: _Roles,
+                    sign: float) -> float:
+    """The largest value an additive causal constant adds above the diagonal."""
+    plane = sign * _score_plane(value, node, labels, roles).astype(np.float64)
+    return float(np.max(plane[~np.tril(np.ones(plane.shape, dtype=bool))], initial=-np.inf))
+
+
 def _is_causal(value: np.ndarray, node: Node, labels: axes.Labels, roles: _Roles,
                kind: str, sign: float, keep_when: bool) -> bool:
     qk = _qk_axes(labels, roles)
-    if qk is None:
+    plane = _score_plane(value, node, labels, roles)
+    if plane is None:
         return False
     value = np.broadcast_to(value, node.shape)
-    index = tuple(slice(None) if a in qk else 0 for a in range(value.ndim))
-    plane = value[index]
-    if plane.ndim != 2:
-        return False
     if not np.all(value == value[tuple(np.s_[:] if a in qk else np.s_[:1]
                                        for a in range(value.ndim))]):
         return False  # varies along batch or heads
-    if qk[0] > qk[1]:
-        plane = plane.T
     tril = np.tril(np.ones(plane.shape, dtype=bool))
     if kind == "mask":
         return bool(np.array_equal(plane.astype(bool) == keep_when, tril))

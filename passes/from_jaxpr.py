@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from jax._src import core, source_info_util
@@ -59,17 +59,29 @@ class JaxprRef:
         return next((v for p, _, v in self.aliases if p == path), None)
 
 
+def subjaxpr(eqn: core.JaxprEqn, param: str) -> core.Jaxpr | core.ClosedJaxpr:
+    """The sub-jaxpr a path step names: `eqn.params[param]`, or one of `branches[i]`."""
+    if param.startswith("branches["):
+        return eqn.params["branches"][int(param[9:-1])]
+    return eqn.params[param]
+
+
 def jaxpr_at(closed: core.ClosedJaxpr, path: Path) -> core.Jaxpr:
     """The (open) jaxpr at `path` inside `closed`."""
     jaxpr = closed.jaxpr
     for index, param in path:
-        eqn = jaxpr.eqns[index]
-        if param.startswith("branches["):
-            sub = eqn.params["branches"][int(param[9:-1])]
-        else:
-            sub = eqn.params[param]
+        sub = subjaxpr(jaxpr.eqns[index], param)
         jaxpr = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
     return jaxpr
+
+
+def describe_path(closed: core.ClosedJaxpr, path: Path) -> str:
+    """Where a site sits: "top level", or the enclosing equations, e.g. "scan.jaxpr"."""
+    steps = []
+    for depth, (index, param) in enumerate(path):
+        eqn = jaxpr_at(closed, path[:depth]).eqns[index]
+        steps.append(f"{eqn.primitive.name}.{param}")
+    return " > ".join(steps) or "top level"
 
 
 def _source(eqn: core.JaxprEqn) -> str:
@@ -197,10 +209,11 @@ class OperandVar:
 class MaskVar:
     """A mask in kernel terms (see `attention.MaskTerm`), with jaxpr variables.
 
-    kind "causal": the kernel's causal flag; `var` is None.
-    kind "additive": scores + sign * m, with m = `to_scores(value of var)`: [B, Hq, Lq, Lk].
-    kind "boolean": where(m == keep_when, scores, fill), m = `to_scores(value of var)`;
-        `key_lengths` is set when the mask is iota(Lk) < lengths[..., None].
+    kind "causal": the kernel's causal flag; `var` is None for a select, the constant's own
+        variable for an additive causal constant.
+    kind "additive": scores + sign * m; kind "boolean": where(m == keep_when, scores, fill);
+        m is the operand as `passes.lower.scores_operand` brings the value of `var` to the
+        scores; `key_lengths` is set when the mask is iota(Lk) < lengths[..., None].
     `var` is the earliest variable visible at the site's level from which the mask is
     reached through layout ops only; `replay` holds those ops (broadcasts, reshapes,
     transposes, casts).
@@ -215,22 +228,6 @@ class MaskVar:
     fill: float | None = None
     keep_when: bool = True
     key_lengths: Any | None = None
-
-    def to_scores(self, x):
-        """The mask operand's value `x` as a [B, Hq, Lq, Lk] array (broadcast, not copied)."""
-        import jax.numpy as jnp
-        from jax import lax
-
-        for node in self.replay:
-            if node.op == "broadcast":
-                x = lax.broadcast_in_dim(x, node.shape, node.params["dims"])
-            elif node.op == "transpose":
-                x = lax.transpose(x, node.params["perm"])
-            elif node.op == "reshape":
-                x = jnp.reshape(x, node.shape)
-            else:
-                x = x.astype(node.dtype)
-        return self.scores_layout.to_canonical(jnp.broadcast_to(x, self.at_shape))
 
 
 def _visible(node: Node | None, level: Path) -> tuple[Any | None, tuple[Node, ...]]:
@@ -260,7 +257,7 @@ class JaxprSite:
               constant pre-scaling it follows) and their canonical layouts.
     out       the variable holding the result of the second contraction, laid out as
               `out_layout.from_canonical(y)` for y: [B, Lq, Hq, Dv].
-    scale     what multiplies q·kᵀ (1.0 when unscaled); causal: a causal mask is present.
+    scale     what multiplies q·kᵀ (1.0 when unscaled).
     masks     every mask step, in kernel terms.
     intermediates  variables the site's equations define besides `out`; a rewrite that
               drops the equations must refuse if any of them is used elsewhere (`escaping`).
@@ -276,7 +273,6 @@ class JaxprSite:
     out: Any
     out_layout: Layout
     scale: float
-    causal: bool
     masks: tuple[MaskVar, ...]
     intermediates: frozenset
     escaping: frozenset  # intermediates read by equations outside the site or returned
@@ -339,7 +335,7 @@ def _to_jaxpr_site(closed: core.ClosedJaxpr, match: Match,
         k=OperandVar(var(match.k.node), match.k.layout),
         v=OperandVar(var(match.v.node), match.v.layout),
         out=out, out_layout=match.out_layout, scale=match.scale,
-        causal=any(t.kind == "causal" for t in match.masks), masks=masks,
+        masks=masks,
         intermediates=frozenset(defined), escaping=frozenset(escaping),
         match=match,
     )
@@ -353,11 +349,3 @@ def detect_jaxpr(closed: core.ClosedJaxpr, function: str = "") -> list[JaxprSite
     for graph in regions(closed):
         sites.extend(_to_jaxpr_site(closed, m, readers) for m in find(graph, function))
     return sites
-
-
-def detect_function(fn: Callable, *args: Any, **kwargs: Any) -> list[JaxprSite]:
-    """Trace `fn(*args, **kwargs)` with `jax.make_jaxpr` and detect its sites."""
-    import jax
-
-    closed = jax.make_jaxpr(fn)(*args, **kwargs)
-    return detect_jaxpr(closed, getattr(fn, "__name__", type(fn).__name__))

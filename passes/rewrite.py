@@ -28,7 +28,7 @@ from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 from hlotool.errors import HlotoolError
-from hlotool.passes.from_jaxpr import JaxprSite, Path
+from hlotool.passes.from_jaxpr import JaxprSite, Path, subjaxpr
 
 # Computes a site's output [out var's shape] from the site's free inputs, keyed by variable.
 Replacement = Callable[[Mapping[Any, jax.Array]], jax.Array]
@@ -148,12 +148,6 @@ def _substitute(jaxpr: core.Jaxpr, sites: Sequence[tuple[JaxprSite, Replacement]
     return jaxpr.replace(eqns=eqns)
 
 
-def _sub(eqn: core.JaxprEqn, param: str):
-    if param.startswith("branches["):
-        return eqn.params["branches"][int(param[9:-1])]
-    return eqn.params[param]
-
-
 def _with_sub(eqn: core.JaxprEqn, param: str, new) -> core.JaxprEqn:
     if param.startswith("branches["):
         branches = list(eqn.params["branches"])
@@ -173,7 +167,7 @@ def _rebuild(jaxpr: core.Jaxpr, here: Path,
     if deeper:
         eqns = list(jaxpr.eqns)
         for index, param in deeper:
-            sub = _sub(eqns[index], param)
+            sub = subjaxpr(eqns[index], param)
             inner = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
             new = _rebuild(inner, here + ((index, param),), by_path, name, cache)
             new = sub.replace(jaxpr=new) if isinstance(sub, core.ClosedJaxpr) else new

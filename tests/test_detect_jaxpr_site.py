@@ -15,7 +15,9 @@ from test_detect import (
     transposed_operands,
 )
 
+from hlotool.kernels.reference import Reference
 from hlotool.passes.from_jaxpr import detect_jaxpr, jaxpr_at
+from hlotool.passes.lower import lower, operands, restore
 
 QT, KT, VT = (x.transpose(0, 2, 1, 3) for x in (Q, K, V))
 KV2 = arr(B, L, 2, 16)
@@ -37,22 +39,11 @@ def evaluate(closed: core.ClosedJaxpr, *args) -> dict:
 
 
 def recompute(site, env):
-    """The site's output from its record alone, as a kernel would compute it."""
-    q = site.q.layout.to_canonical(env[site.q.var])  # [B, Lq, Hq, D]
-    k = site.k.layout.to_canonical(env[site.k.var])  # [B, Lk, Hkv, D]
-    v = site.v.layout.to_canonical(env[site.v.var])
-    group = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    s = jnp.einsum("blhd,bkhd->bhlk", q, k) * site.scale
-    for m in site.masks:
-        if m.kind == "causal":
-            s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
-        elif m.kind == "additive":
-            s = s + m.sign * m.to_scores(env[m.var])
-        else:
-            s = jnp.where(m.to_scores(env[m.var]) == m.keep_when, s, m.fill)
-    out = jnp.einsum("bhlk,bkhd->blhd", jax.nn.softmax(s), v)
-    return site.out_layout.from_canonical(out)
+    """The site's output from its record alone, as a kernel computes it: lowered to a kernel
+    call (`passes.lower`) and run by the reference kernel."""
+    form = lower(site)
+    call, nan_rows = operands(form, site, env)
+    return restore(site, Reference().run(call), nan_rows)
 
 
 def masked(q, k, v, mask, bias):
@@ -95,7 +86,8 @@ def test_record_recomputes_the_output(fn, args):
 def test_mask_terms_in_kernel_terms():
     closed = jax.make_jaxpr(causal_iota)(Q, K, V)
     (site,) = detect_jaxpr(closed)
-    assert site.causal and [m.kind for m in site.masks] == ["causal"] and site.masks[0].var is None
+    assert lower(site).causal and [m.kind for m in site.masks] == ["causal"]
+    assert site.masks[0].var is None
 
     lengths = jnp.array([5, 8])
     closed = jax.make_jaxpr(key_padding)(Q, K, V, lengths)

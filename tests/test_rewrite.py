@@ -15,6 +15,7 @@ from jax import lax
 
 import hlotool
 from hlotool import flash
+from hlotool.cost import decision
 from hlotool.errors import HlotoolError
 from hlotool.passes.from_jaxpr import detect_jaxpr
 from test_detect_negative import CASES as NEGATIVES
@@ -226,10 +227,10 @@ def test_auto_follows_the_cost_verdict_per_platform():
         q = Q[:, :length]
         (report,) = hlotool.explain(lambda q, k, v: attend(q, k, v), q, q, q).sites
         for platform, kernel in report.kernels.items():
-            v = verdict(report.site, flash.target_for(platform), check_fusion=False)
+            v = verdict(report.site, decision.target_for(platform), check_fusion=False)
             assert kernel == (v.kernel_name if v.pays else None), (length, platform)
             assert v.reason in report.reason
-    assert [flash.target_for(p) for p in flash.PLATFORMS] == ["cpu", "tpu-v5e", "h100"]
+    assert [decision.target_for(p) for p in hlotool.kernels.PLATFORMS] == ["cpu", "tpu-v5e", "h100"]
 
 
 def test_native_on_cpu_kernel_elsewhere():
@@ -264,19 +265,19 @@ def test_attached_chip_is_priced(monkeypatch):
     class Device:
         device_kind = "TPU v5 lite"
 
-    monkeypatch.setattr(flash, "running_platform", lambda: "tpu")
+    monkeypatch.setattr(decision, "running_platform", lambda: "tpu")
     monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
-    assert flash.target_for.__wrapped__("tpu") == "tpu-v5e"
+    assert decision.target_for.__wrapped__("tpu") == "tpu-v5e"
     Device.device_kind = "TPU v5"
-    assert flash.target_for.__wrapped__("tpu") == "tpu-v5p"
+    assert decision.target_for.__wrapped__("tpu") == "tpu-v5p"
     Device.device_kind = "TPU v6 lite"
-    assert flash.target_for.__wrapped__("tpu") == "tpu-v6e"
-    assert flash.target_for.__wrapped__("cuda") == "h100"  # no GPU attached
-    monkeypatch.setattr(flash, "running_platform", lambda: "cuda")
+    assert decision.target_for.__wrapped__("tpu") == "tpu-v6e"
+    assert decision.target_for.__wrapped__("cuda") == "h100"  # no GPU attached
+    monkeypatch.setattr(decision, "running_platform", lambda: "cuda")
     Device.device_kind = "NVIDIA H200"
-    assert flash.target_for.__wrapped__("cuda") == "h200"
+    assert decision.target_for.__wrapped__("cuda") == "h200"
     Device.device_kind = "NVIDIA A100-SXM4-80GB"
-    assert flash.target_for.__wrapped__("cuda") == "a100"
+    assert decision.target_for.__wrapped__("cuda") == "a100"
 
 
 def test_bfloat16_within_tolerance():
@@ -323,10 +324,11 @@ def test_validate_accepts_a_correct_rewrite():
 
 
 def test_validate_falls_back_and_names_the_site(monkeypatch):
-    real = flash._kernel_output
-    monkeypatch.setattr(flash, "_kernel_output", lambda *a: real(*a) * 1.01)
+    real = flash.lower.restore
+    monkeypatch.setattr(flash.lower, "restore", lambda *a: real(*a) * 1.01)
     fast = hlotool.flash_jit(causal, validate=True)
-    with pytest.warns(UserWarning, match=r"attention at .*test_rewrite.py:\d+ stays native: "
+    with pytest.warns(UserWarning, match=r"attention at .*test_rewrite.py:\d+ stays native for "
+                                         r"this signature: "
                                          r"outputs or gradients differ"):
         got = fast(Q, K, V)
     np.testing.assert_array_equal(got, jax.jit(causal)(Q, K, V))
@@ -348,7 +350,7 @@ def test_identical_sites_share_one_traced_kernel_and_keep_their_lines():
 
     from jax._src import source_info_util
 
-    calls = [e for e in jax.make_jaxpr(flash._Rewritten(two_layers, "auto"))(Q, K, V).eqns
+    calls = [e for e in jax.make_jaxpr(flash.Rewritten(two_layers, "auto"))(Q, K, V).eqns
              if e.params.get("name") == "hlotool_flash"]
     assert len(calls) == 2 and calls[0].params["jaxpr"] is calls[1].params["jaxpr"]
     lines = [source_info_util.user_frame(e.source_info.traceback).start_line for e in calls]

@@ -1,16 +1,22 @@
-"""Does the flash kernel pay for a site on a chip? One decision, with its reason and figures.
+"""Does the flash kernel pay for a site on a chip? One decision, with its reason and figures;
+and the policy built on it: which kernel runs a site on each platform.
 
-`flash_jit(kernel="auto")` asks `verdict(site, target)`; `hlotool cost` prints it.
+`hlotool cost` prints `verdict(site, target)`; `flash_jit(kernel="auto")` asks `decide(site,
+platform)`, which prices the platform's chip (`target_for`) with that same verdict.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
+
+import jax
 
 from hlotool.cost.model import Figures, analytic, kernel_for
 from hlotool.cost.xla import xla_fuses_natively
 from hlotool.hardware import Hardware, get_hardware
+from hlotool import kernels
 from hlotool.kernels import KernelError
 from hlotool.site import AttentionSite
 from hlotool.units import format_bytes
@@ -85,24 +91,25 @@ def verdict(
     if native_fused is None and check_fusion:
         native_fused = xla_fuses_natively(site, hw.compile_target)
 
-    def decide(pays: bool, reason: str) -> Verdict:
+    def conclude(pays: bool, reason: str) -> Verdict:
         return Verdict(pays, reason, hw.name, kernel.name, native, flash, speedup, hbm_ratio,
                        native_fused)
 
     if native_fused:
-        return decide(False, "keep native (XLA already fuses it on this target: its own "
-                             "online-softmax kernel never materializes the scores)")
+        return conclude(False, "keep native (XLA already fuses it on this target: its own "
+                               "online-softmax kernel never materializes the scores)")
     if native.temp_bytes > hw.hbm_bytes:
-        return decide(True, f"kernel pays (native needs {format_bytes(native.temp_bytes)} of "
-                            f"temporaries, more than the {format_bytes(hw.hbm_bytes)} HBM)")
+        return conclude(True, f"kernel pays (native needs {format_bytes(native.temp_bytes)} of "
+                              f"temporaries, more than the {format_bytes(hw.hbm_bytes)} HBM)")
     if site.q_len * site.kv_len < SHORT_SCORES:
-        return decide(False, f"keep native (short sequence: Lq={site.q_len}, Lk={site.kv_len}; "
-                             f"a {site.q_len}x{site.kv_len} score tile per head is kernel-launch "
-                             f"and grid overhead, which the roofline ×{speedup:.1f} ignores)")
+        return conclude(False, f"keep native (short sequence: Lq={site.q_len}, "
+                               f"Lk={site.kv_len}; a {site.q_len}x{site.kv_len} score tile per "
+                               "head is kernel-launch and grid overhead, which the roofline "
+                               f"×{speedup:.1f} ignores)")
     if speedup >= MIN_SPEEDUP:
-        return decide(True, f"kernel pays (×{hbm_ratio:.1f} less HBM traffic, roofline "
-                            f"×{speedup:.1f} faster)")
-    return decide(False, f"keep native ({_why_not(site, hw, speedup)})")
+        return conclude(True, f"kernel pays (×{hbm_ratio:.1f} less HBM traffic, roofline "
+                              f"×{speedup:.1f} faster)")
+    return conclude(False, f"keep native ({_why_not(site, hw, speedup)})")
 
 
 def _why_not(site: AttentionSite, hw: Hardware, speedup: float) -> str:
@@ -120,3 +127,69 @@ def _full_bias(site: AttentionSite) -> bool:
     return shape is None or (len(shape) >= 2 and shape[-1] == site.kv_len
                              and shape[-2] == site.q_len)
 
+
+# ----------------------------------------------------------------------------------------
+# The policy: which kernel runs a site on each platform
+
+# Chip priced for each platform when the process does not run on one (see `target_for`).
+DEFAULT_TARGET = {"cpu": "cpu", "tpu": "tpu-v5e", "cuda": "h100"}
+# Substrings of `Device.device_kind` naming a chip in `hlotool.hardware.HARDWARE`, most
+# specific first ("TPU v5 lite" is a v5e, plain "TPU v5" a v5p; see jax's tpu_info.py).
+_DEVICE_KINDS = {
+    "tpu": (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v6 lite", "tpu-v6e"),
+            ("v6e", "tpu-v6e"), ("v5", "tpu-v5p"), ("v4", "tpu-v4")),
+    "cuda": (("a100", "a100"), ("h100", "h100"), ("h200", "h200")),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What runs a site on one platform: a kernel name, or None for XLA's native path."""
+
+    kernel: str | None
+    reason: str
+
+
+def running_platform() -> str:
+    """The platform jax executes on in this process, as `lax.platform_dependent` names it
+    ("cpu", "tpu", "cuda", "rocm", ...)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.canonicalize_platform(jax.default_backend())
+
+
+@functools.cache
+def target_for(platform: str) -> str:
+    """The `hlotool.hardware` chip that prices `platform`: the attached chip when jax runs on
+    that platform and its `device_kind` names a known one, else `DEFAULT_TARGET[platform]`."""
+    if platform != "cpu" and platform == running_platform():
+        kind = jax.devices()[0].device_kind.lower()
+        for part, target in _DEVICE_KINDS.get(platform, ()):
+            if part in kind:
+                return target
+    return DEFAULT_TARGET[platform]
+
+
+def decide(site: AttentionSite, platform: str, kernel: str = "auto") -> Choice:
+    """The single policy deciding whether a kernel runs `site` on `platform`.
+
+    `kernel="auto"`: the cost model's verdict for the platform's chip (`target_for`); the
+    kernel it prices runs the site where it pays. XLA:TPU's own attention fusion is probed (a
+    deviceless compile, seconds per new shape) only for the platform this process runs on;
+    elsewhere the reason says it was not checked. A kernel name: that kernel where it runs
+    and supports the site.
+    """
+    if kernel != "auto":
+        chosen = kernels.get(kernel)
+        if platform not in chosen.platforms:
+            return Choice(None, f"{kernel} does not run on {platform}")
+        support = chosen.supports(site)
+        return Choice(kernel, f"{kernel} requested") if support else Choice(None, support.reason)
+    hw = get_hardware(target_for(platform))
+    checked = platform == running_platform()
+    v = verdict(site, hw, check_fusion=checked)
+    reason = v.reason if hw.name == platform else f"{v.reason} on {hw.name}"
+    if v.pays and not checked and hw.platform == "tpu" and hw.compile_target is not None:
+        reason += (f", XLA:TPU's own fusion not checked off-TPU (run "
+                   f"`hlotool cost SCRIPT --target {hw.name}`)")
+    return Choice(v.kernel_name if v.pays else None, reason)

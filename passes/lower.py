@@ -1,0 +1,165 @@
+"""A jaxpr site in kernel terms: the `hlotool.kernels.base.Call` that computes it.
+
+    form = lower(site)                      # static: scale, causal, fill, which operands
+    call, nan_rows = operands(form, site, values)
+    out = kernel(call)                      # [B, Lq, Hq, Dv]
+    y = restore(form, site, out, nan_rows)  # the site's output, as the program lays it out
+
+`lower` reads what the logits chain computes (`passes/logits.py`) and refuses, with the reason,
+a site no kernel call can reproduce. `operands` brings the values the site reads to canonical
+[B, L, H, D] terms: q, k and v through their layouts, each mask and bias operand from the
+smallest value the program broadcast it from (a [B, 1, 1, Lk] padding mask stays that small).
+
+Rows whose every logit is -inf are NaN in the naive program (softmax of nothing); kernels
+return zeros there, so `restore` puts the NaN back: the rewritten program returns what
+`jax.jit` of the naive one returns. Gradients through such a row are finite where the naive
+program's are NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hlotool.kernels.base import Call, make_call, visible_keys
+from hlotool.passes.attention import Layout
+from hlotool.passes.axes import reshape_groups
+from hlotool.passes.from_jaxpr import JaxprSite, MaskVar
+from hlotool.passes.rewrite import RewriteError
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelForm:
+    """What a kernel call needs to know about a site before seeing any value.
+
+    scale: C in `where(visible, C·q·kᵀ + bias, fill)`; causal: hide keys above the diagonal;
+    fill: the logit of a hidden key; biases: (operand, multiplier), summed into the bias;
+    masks: boolean operands, ANDed into the mask; nan_rows: whether rows can be all -inf.
+    """
+
+    scale: float
+    causal: bool
+    fill: float
+    biases: tuple[tuple[MaskVar, float], ...]
+    masks: tuple[MaskVar, ...]
+    nan_rows: bool
+
+    def signature(self) -> tuple:
+        """Everything `operands` reads from the form, with operand variables left out: equal
+        signatures (with equal inputs) give equal kernel calls."""
+        def var_free(m: MaskVar) -> tuple:
+            return (m.kind, m.at_shape, m.scores_layout, m.keep_when,
+                    tuple((n.op, n.shape, n.dtype, repr(sorted(n.params.items())))
+                          for n in m.replay))
+        return (self.scale, self.causal, self.fill, self.nan_rows,
+                tuple((var_free(m), mult) for m, mult in self.biases),
+                tuple(var_free(m) for m in self.masks))
+
+
+def lower(site: JaxprSite) -> KernelForm:
+    """The kernel form of `site`; raises `RewriteError` with the reason when it has none."""
+    a = site.site
+    if 0 in (a.batch, a.q_len, a.kv_len, a.num_q_heads, a.head_dim, a.v_head_dim):
+        raise RewriteError(
+            f"zero-length axis (B={a.batch}, Lq={a.q_len}, Lk={a.kv_len}, H={a.num_q_heads}, "
+            f"D={a.head_dim}): nothing for a kernel to compute")
+    chain = site.match.logits
+    if chain.refusal is not None:
+        raise RewriteError(chain.refusal)
+    by_node = {id(t.at): m for t, m in zip(site.match.masks, site.masks)}
+    biases = tuple((by_node[id(t.at)], mult) for t, mult in chain.biases)
+    masks = tuple(by_node[id(t.at)] for t in chain.masks if t.kind == "boolean")
+    for m in (*(b for b, _ in biases), *masks):
+        if m.var is None:
+            raise RewriteError(f"the {m.kind} operand is computed inside a call the site only "
+                               "partly covers")
+    return KernelForm(scale=site.scale, causal=chain.causal, fill=chain.fill, biases=biases,
+                      masks=masks, nan_rows=bool(biases or masks) and chain.fill == -math.inf)
+
+
+def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array]
+             ) -> tuple[Call, jax.Array | None]:
+    """The kernel call for `site` given the values it reads, and (when `form.nan_rows`) the
+    bool [B|1, Hq|1, Lq, 1] rows whose every logit is -inf in the naive program."""
+    q = site.q.layout.to_canonical(values[site.q.var])
+    k = site.k.layout.to_canonical(values[site.k.var]).astype(q.dtype)
+    v = site.v.layout.to_canonical(values[site.v.var]).astype(q.dtype)
+    bias = mask = None
+    for m, mult in form.biases:
+        x = scores_operand(m, values[m.var]).astype(jnp.float32) * mult
+        bias = x if bias is None else bias + x
+    for m in form.masks:
+        x = scores_operand(m, values[m.var])
+        x = x if m.keep_when else ~x
+        mask = x if mask is None else mask & x
+    call = make_call(q, k, v, scale=form.scale, bias=bias, mask=mask, causal=form.causal,
+                     fill=form.fill)
+    if not form.nan_rows:
+        return call, None
+    live = visible_keys(call)
+    if call.bias is not None:
+        finite = call.bias > -jnp.inf
+        live = finite if live is None else live & finite
+    return call, ~jnp.any(live, axis=-1, keepdims=True)
+
+
+def restore(site: JaxprSite, out: jax.Array, nan_rows: jax.Array | None) -> jax.Array:
+    """A kernel's [B, Lq, Hq, Dv] output as the site's own value: NaN rows put back, the
+    program's layout and dtype."""
+    if nan_rows is not None:
+        out = jnp.where(jnp.swapaxes(nan_rows, 1, 2), jnp.nan, out)
+    return site.out_layout.from_canonical(out).astype(site.out.aval.dtype)
+
+
+def scores_operand(m: MaskVar, x: jax.Array) -> jax.Array:
+    """A mask or bias operand `x` (the value of `m.var`) as a 4-D [B, Hq, Lq, Lk] operand with
+    1 on every axis the program broadcast: `m.replay` is redone without materializing the
+    broadcasts, then `m.scores_layout` maps it to canonical axes."""
+    for node in m.replay:
+        if node.op == "broadcast":
+            compact = [1] * len(node.shape)
+            for i, d in enumerate(node.params["dims"]):
+                compact[d] = x.shape[i]
+            x = x.reshape(compact)
+        elif node.op == "transpose":
+            x = x.transpose(node.params["perm"])
+        elif node.op == "reshape":
+            x = jnp.broadcast_to(x, node.inputs[0].shape).reshape(node.shape)
+        else:
+            x = x.astype(node.dtype)
+    rank = len(m.at_shape)
+    if x.ndim < rank:
+        x = x.reshape((1,) * (rank - x.ndim) + tuple(x.shape))
+    return _to_canonical(m.scores_layout, x)
+
+
+def _to_canonical(layout: Layout, x: jax.Array) -> jax.Array:
+    """`layout.to_canonical` for an operand with 1 on broadcast axes; a canonical axis comes
+    out 1 where the operand does not vary along it."""
+    if tuple(x.shape) == layout.shape:
+        return layout.to_canonical(x)
+    split = list(layout.split)
+    small = [1] * len(split)
+    for ga, gb in reshape_groups(layout.shape, layout.split) or ():
+        if any(x.shape[a] != 1 for a in ga):
+            for j in gb:
+                small[j] = split[j]
+    x = x.reshape(small).transpose(layout.perm)
+    full = [split[p] for p in layout.perm]
+    groups = reshape_groups(tuple(full), layout.canonical) or []
+    for ga, _ in groups:
+        if len({x.shape[a] == 1 for a in ga}) > 1:
+            target = list(x.shape)
+            for a in ga:
+                target[a] = full[a]
+            x = jnp.broadcast_to(x, target)
+    canonical = [1] * len(layout.canonical)
+    for ga, gb in groups:
+        (c,) = gb
+        canonical[c] = int(np.prod([x.shape[a] for a in ga]))
+    return x.reshape(canonical)
