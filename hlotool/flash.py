@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -58,15 +59,21 @@ class Report:
 
     function: str
     sites: tuple[SiteReport, ...]
+    note: str = ""  # why nothing was looked at, when the whole program was left alone
 
     @property
     def rewritten(self) -> int:
         return sum(s.rewritten for s in self.sites)
 
     def to_json(self) -> dict[str, Any]:
-        return {"function": self.function, "sites": [s.to_json() for s in self.sites]}
+        out = {"function": self.function, "sites": [s.to_json() for s in self.sites]}
+        if self.note:
+            out["note"] = self.note
+        return out
 
     def __str__(self) -> str:
+        if self.note:
+            return f"{self.function}: left native: {self.note}"
         if not self.sites:
             return f"{self.function}: no attention site"
         lines = [f"{self.function}: {len(self.sites)} site(s), {self.rewritten} rewritten"]
@@ -149,6 +156,12 @@ def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
                  disabled: Mapping[tuple, str] | None = None, mesh: Any = None,
                  ) -> tuple[Report, list[tuple[JaxprSite, Replacement]]]:
     """Detect and decide every site of `closed`: the report and the replacements to apply."""
+    symbolic = symbolic_dims(closed)
+    if symbolic:
+        return Report(function, (), note=(
+            f"symbolic dimension{'s' if len(symbolic) > 1 else ''} {', '.join(symbolic)} "
+            "(shape polymorphism): attention is detected and rewritten for concrete shapes "
+            "only")), []
     disabled = disabled or {}
     reports, replacements = [], []
     for site in detect_jaxpr(closed, function):
@@ -168,6 +181,16 @@ def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
                     replacements.append((site, replacement(jaxpr, site, form, plan, mesh)))
         reports.append(SiteReport(site.site, describe_path(closed, site.path), plan, reason))
     return Report(function, tuple(reports)), replacements
+
+
+def symbolic_dims(closed: core.ClosedJaxpr) -> list[str]:
+    """The symbolic dimensions (jax.export shape polymorphism) among the program's inputs."""
+    names = []
+    for aval in closed.in_avals:
+        for d in getattr(aval, "shape", ()):
+            if not isinstance(d, (int, np.integer)) and str(d) not in names:
+                names.append(str(d))
+    return names
 
 
 def _is_dynamic(leaf: Any) -> bool:
@@ -224,6 +247,8 @@ class Rewritten:
         off = self.disabled(args, kwargs) if self.disabled is not None else None
         self.report, replacements = plan_program(closed, name_of(self.fn), self.kernel, off,
                                                  mesh_of(dyn, self.in_shardings))
+        if self.report.note:
+            warnings.warn(f"flash_jit: {self.report}", stacklevel=2)
         closed = rewrite(closed, replacements)
         return unflatten(core.eval_jaxpr(closed.jaxpr, closed.consts, *dyn))
 

@@ -1,0 +1,368 @@
+"""Generated attention programs: a small grammar, its hypothesis strategy, and the check that
+a rewrite keeps each program's meaning.
+
+A `Program` is softmax(chain(Q·Kᵀ))·V written the plain way, where the chain is a random
+sequence of steps: scale (mul/div by 1e-6 … 1e3), masks (`where(m, s, fill)` or its mirror,
+fill -inf / finfo.min / -1e9 / -1e4 / -5; causal top-left or bottom-right, sliding window,
+random boolean, key padding from lengths, rows with no visible key), additive biases of every
+broadcast shape (some with -inf / finfo.min entries) and additive causal constants; in f32,
+bf16 or f16, BLHD / BHLD / merged-heads layouts, GQA by repeat, Lq = 1 and Lk = 1 included.
+Look-alikes (softmax over the query axis, `softmax(where=)`, a multiplicative mask, a scale
+after the softmax, a squared softmax) are not attention and must come back untouched.
+
+`check(program)` runs the naive program under `jax.jit` and under `hlotool.flash_jit` (the
+chunked kernel with small blocks, so tiles, skipping and padding are exercised) and returns
+"native" (no site rewritten; each site has a reason), "rewritten" (outputs and the gradients
+of a random projection w.r.t. q, k, v and the bias within the dtype's tolerance of the naive
+program's, no non-finite value where the naive one is finite) or "wrong".
+
+How "within tolerance" is measured:
+  - per value (output, each gradient): max |rewritten - naive| over the larger of max |naive|
+    and the magnitude of the terms that value sums (|v| for the output; |dO|·|v| times |C|·|k|
+    for dq, |C|·|q| for dk, 1 for dbias; |dO| for dv), so a gradient that is exactly zero
+    (one visible key: dq = 0) is judged against its terms' size, not its own rounding noise;
+  - the naive program has rounding errors of its own: in bf16 and f16 always, in f32 where a
+    large constant absorbs the data (s + b - 1e9 rounds to a multiple of 64). A rewrite that
+    misses the naive values also passes when it is within the tolerance, or within twice the
+    naive program's own error, of the same program computed in float64 (fills and constants
+    rounded to the program's dtype first), the naive one's error being finite;
+  - data magnitudes follow the scale steps so that every term reaches the softmax at
+    |logit| ≲ 8: the tolerance measures the rewrite, not float32's conditioning of exp at
+    large logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+import hlotool
+from hlotool.kernels import get
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
+FILLS = ("-inf", "finfo.min", "-1e9", "-1e4", "-5")
+MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding")
+BIAS_SHAPES = ("k", "qk", "b11k", "1hqk", "bhqk")
+LOOKALIKES = ("softmax_over_queries", "softmax_where", "multiplicative_mask",
+              "scale_after_softmax", "squared_softmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    kind: str  # "scale" | "mask" | "bias" | "causal_bias"
+    op: str = "mul"  # scale: mul/div
+    value: float = 1.0  # scale: the constant; causal_bias: the value above the diagonal
+    mask: str = ""  # mask kind
+    fill: str = "-inf"
+    mirrored: bool = False  # where(~m, fill, s) instead of where(m, s, fill)
+    empty_row: bool = False  # one query row sees no key
+    shape: str = "qk"  # bias shape
+    extreme: str = ""  # bias: "" | "-inf" | "finfo.min" entries
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    dtype: str
+    layout: str  # "BLHD" | "BHLD" | "merged"
+    b: int
+    hq: int
+    hkv: int
+    lq: int
+    lk: int
+    d: int
+    steps: tuple[Step, ...]
+    manual_softmax: bool = False
+    lookalike: str = ""
+    seed: int = 0
+
+    @property
+    def features(self) -> list[str]:
+        """Labels for the fuzz table: one per trait of the program."""
+        out = [self.dtype, self.layout]
+        if self.hkv != self.hq:
+            out.append("gqa")
+        if self.lq == 1:
+            out.append("lq=1")
+        if self.lk == 1:
+            out.append("lk=1")
+        if self.lookalike:
+            out.append(f"lookalike:{self.lookalike}")
+        for s in self.steps:
+            if s.kind == "scale":
+                out.append("scale")
+            elif s.kind == "mask":
+                out += [f"mask:{s.mask}", f"fill:{s.fill}"]
+                if s.empty_row:
+                    out.append("empty_row")
+            elif s.kind == "bias":
+                out.append(f"bias:{s.shape}" + (f"+{s.extreme}" if s.extreme else ""))
+            else:
+                out.append("causal_bias")
+        return out
+
+
+def _fill(name: str, dtype) -> float:
+    """The fill as the program holds it in `dtype` (-1e9 is -inf in float16)."""
+    if name == "finfo.min":
+        value = float(jnp.finfo(dtype).min)
+    else:
+        value = {"-inf": -math.inf, "-1e9": -1e9, "-1e4": -1e4, "-5": -5.0}[name]
+    with np.errstate(over="ignore"):
+        return float(np.asarray(value, np.float64).astype(jnp.dtype(dtype)))
+
+
+def _rounded(x: float, dtype) -> float:
+    return float(np.asarray(x, np.float64).astype(jnp.dtype(dtype)))
+
+
+def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray:
+    """bool [B, 1, Lq, Lk] (True = attend)."""
+    i = np.arange(p.lq)[:, None]
+    j = np.arange(p.lk)[None, :]
+    if step.mask == "causal":
+        m = j <= i
+    elif step.mask == "causal_bottom_right":
+        m = j <= i + (p.lk - p.lq)
+    elif step.mask == "window":
+        m = (j <= i + (p.lk - p.lq)) & (j > i + (p.lk - p.lq) - 3)
+    elif step.mask == "boolean":
+        m = rng.random((p.b, 1, p.lq, p.lk)) < 0.7
+    else:  # key padding: lengths in [1, Lk], or 0 for an empty batch row
+        lengths = rng.integers(1, p.lk + 1, size=p.b)
+        if step.empty_row:
+            lengths[0] = 0
+        m = (j < lengths[:, None, None, None])
+    m = np.broadcast_to(m, (p.b, 1, p.lq, p.lk)).copy()
+    if step.empty_row and step.mask != "key_padding":
+        m[0, 0, p.lq // 2] = False
+    return m
+
+
+def _bias_shape(name: str, p: Program) -> tuple[int, ...]:
+    return {"k": (p.lk,), "qk": (p.lq, p.lk), "b11k": (p.b, 1, 1, p.lk),
+            "1hqk": (1, p.hq, p.lq, p.lk), "bhqk": (p.b, p.hq, p.lq, p.lk)}[name]
+
+
+def _after(steps: tuple[Step, ...], at: int) -> float:
+    """The product of the scale steps after step `at`."""
+    c = 1.0
+    for s in steps[at + 1:]:
+        if s.kind == "scale":
+            c = c * s.value if s.op == "mul" else c / s.value
+    return c
+
+
+def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int, ...]]:
+    """(naive function, its arguments, the positions of the arguments to differentiate).
+
+    compute: the dtype to compute in (default: the program's); constants keep the values
+    they have in the program's dtype."""
+    rng = np.random.default_rng(p.seed)
+    dt = jnp.dtype(p.dtype)
+    ct = jnp.dtype(compute or p.dtype)
+    total = _after(p.steps, -1)
+    # |q·k| ~ sqrt(d)·r²: make the scores reach the softmax at about 3 after all scales.
+    r = math.sqrt(3.0 / (math.sqrt(p.d) * max(abs(total), 1e-30)))
+    q = rng.standard_normal((p.b, p.lq, p.hq, p.d)) * r
+    k = rng.standard_normal((p.b, p.lk, p.hkv, p.d)) * r
+    v = rng.standard_normal((p.b, p.lk, p.hkv, p.d))
+    args, extra = [jnp.asarray(jnp.asarray(x, dt), ct) for x in (q, k, v)], []
+    for at, step in enumerate(p.steps):
+        if step.kind == "mask":
+            extra.append(("mask", at, len(args)))
+            args.append(jnp.asarray(_mask(step, p, rng)))
+        elif step.kind == "bias":
+            bias = rng.standard_normal(_bias_shape(step.shape, p)) * 2.0 / abs(_after(p.steps, at))
+            if step.extreme:
+                bias = np.where(rng.random(bias.shape) < 0.2, _fill(step.extreme, dt), bias)
+            extra.append(("bias", at, len(args)))
+            args.append(jnp.asarray(jnp.asarray(bias, dt), ct))
+    operand = {at: i for _, at, i in extra}
+    group = p.hq // p.hkv
+
+    def attention(q, k, v, *ops):
+        if group > 1:
+            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        if p.layout == "BLHD":
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        elif p.layout == "BHLD":
+            s = q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)
+        else:
+            qm = q.transpose(0, 2, 1, 3).reshape(p.b * p.hq, p.lq, p.d)
+            km = k.transpose(0, 2, 1, 3).reshape(p.b * p.hq, p.lk, p.d)
+            s = jnp.einsum("nqd,nkd->nqk", qm, km).reshape(p.b, p.hq, p.lq, p.lk)
+        for at, step in enumerate(p.steps):
+            if step.kind == "scale":
+                c = _rounded(step.value, dt)
+                s = s * c if step.op == "mul" else s / c
+            elif step.kind == "mask":
+                m = ops[operand[at] - 3]
+                fill = _fill(step.fill, dt)
+                s = jnp.where(~m, fill, s) if step.mirrored else jnp.where(m, s, fill)
+            elif step.kind == "bias":
+                s = s + ops[operand[at] - 3]
+            else:
+                tri = jnp.tril(jnp.ones((p.lq, p.lk), bool))
+                s = s + jnp.where(tri, 0.0, _rounded(step.value, dt)).astype(s.dtype)
+        if p.lookalike == "softmax_over_queries":
+            w = jax.nn.softmax(s, axis=-2)
+        elif p.lookalike == "softmax_where":
+            w = jax.nn.softmax(s, axis=-1, where=jnp.ones(s.shape, bool).at[..., 0].set(False))
+        elif p.lookalike == "multiplicative_mask":
+            w = jax.nn.softmax(s * jnp.tril(jnp.ones((p.lq, p.lk), s.dtype)), axis=-1)
+        elif p.manual_softmax:
+            e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+            w = e / jnp.sum(e, axis=-1, keepdims=True)
+        else:
+            w = jax.nn.softmax(s, axis=-1)
+        if p.lookalike == "scale_after_softmax":
+            w = w * 2.0
+        elif p.lookalike == "squared_softmax":
+            w = w * w
+        if p.layout == "merged":
+            vm = v.transpose(0, 2, 1, 3).reshape(p.b * p.hq, p.lk, p.d)
+            out = jnp.einsum("nqk,nkd->nqd", w.reshape(p.b * p.hq, p.lq, p.lk), vm)
+            return out.reshape(p.b, p.hq, p.lq, p.d).transpose(0, 2, 1, 3)
+        return jnp.einsum("bhqk,bkhd->bqhd", w, v)
+
+    diff = tuple([0, 1, 2] + [i for kind, _, i in extra if kind == "bias"])
+    return attention, tuple(args), diff
+
+
+# ----------------------------------------------------------------------------------------
+# The strategy
+
+
+@st.composite
+def programs(draw) -> Program:
+    dtype = draw(st.sampled_from(("float32", "float32", "bfloat16", "float16")))
+    hq = draw(st.sampled_from((1, 2, 4)))
+    hkv = draw(st.sampled_from([h for h in (1, 2, 4) if hq % h == 0]))
+    lq = draw(st.sampled_from((1, 5, 16, 33)))
+    lk = draw(st.sampled_from((1, 7, 16, 40)))
+    steps = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(("scale", "scale", "mask", "mask", "bias", "causal_bias")))
+        if kind == "scale":
+            steps.append(Step("scale", op=draw(st.sampled_from(("mul", "div"))),
+                              value=10.0 ** draw(st.sampled_from((-6, -4, -3, -1, 0, 1, 3)))
+                              * draw(st.sampled_from((1.0, 0.5, 0.125)))))
+        elif kind == "mask":
+            mask = draw(st.sampled_from(MASKS))
+            if mask.startswith("causal") and lq > lk and mask == "causal_bottom_right":
+                mask = "causal"
+            steps.append(Step("mask", mask=mask, fill=draw(st.sampled_from(FILLS)),
+                              mirrored=draw(st.booleans()),
+                              empty_row=draw(st.booleans()) and mask in ("boolean",
+                                                                         "key_padding")))
+        elif kind == "bias":
+            steps.append(Step("bias", shape=draw(st.sampled_from(BIAS_SHAPES)),
+                              extreme=draw(st.sampled_from(("", "", "-inf", "finfo.min")))))
+        else:
+            steps.append(Step("causal_bias", value=draw(st.sampled_from(
+                (-math.inf, -1e9, -1e4)))))
+    return Program(
+        dtype=dtype, layout=draw(st.sampled_from(("BLHD", "BHLD", "merged"))),
+        b=draw(st.sampled_from((1, 2))), hq=hq, hkv=hkv, lq=lq, lk=lk,
+        d=draw(st.sampled_from((8, 16))), steps=tuple(steps),
+        manual_softmax=draw(st.booleans()),
+        lookalike=draw(st.sampled_from(("",) * 8 + LOOKALIKES)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# The check
+
+
+def _error(got: np.ndarray, want: np.ndarray, terms: float) -> float:
+    """max |got - want| over max(max |want|, terms), on positions where the naive value is
+    finite; inf where the kernel is non-finite and the naive program is not."""
+    fine = np.isfinite(want)
+    if np.any(~np.isfinite(got) & fine):
+        return math.inf
+    if not np.any(fine):
+        return 0.0
+    scale = max(float(np.max(np.abs(want[fine]))), terms, 1e-30)
+    return float(np.max(np.abs(got[fine] - want[fine])) / scale)
+
+
+def run(fn, args, diff):
+    """Output and gradients (of a fixed random projection) w.r.t. the `diff` arguments."""
+    out = fn(*args)
+    weights = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), jnp.float32)
+
+    def loss(*xs):
+        full = list(args)
+        for i, x in zip(diff, xs):
+            full[i] = x
+        return jnp.sum(fn(*full).astype(jnp.float32) * weights)
+
+    grads = jax.grad(loss, argnums=tuple(range(len(diff))))(*[args[i] for i in diff])
+    return [np.asarray(x, np.float64) for x in (out, *grads)]
+
+
+def _terms(p: Program, args, count: int) -> list[float]:
+    """The magnitude of the terms each checked value sums (see the module docstring)."""
+    big = [float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0)) for x in args[:3]]
+    q, k, v = big
+    c = abs(_after(p.steps, -1))
+    do = 3.0  # the projection's weights are standard normal
+    return ([v, do * v * c * k, do * v * c * q, do] + [do * v] * count)[:count]
+
+
+def _worst(got, want, terms) -> tuple[float, int]:
+    return max((_error(g, w, t), i) for i, (g, w, t) in enumerate(zip(got, want, terms)))
+
+
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def _x64():
+    """float64 enabled for a block (jax.enable_x64 on newer jax, experimental before)."""
+    enable = getattr(jax, "enable_x64", None)
+    if enable is not None:
+        return enable(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64()
+
+
+def check(p: Program, blocks: tuple[int, int] = (8, 8)) -> tuple[str, str]:
+    """("native" | "rewritten" | "wrong", detail) for one program (see the module docstring)."""
+    fn, args, diff = build(p)
+    kernel = get("chunked")
+    saved = (kernel.block_q, kernel.block_k)
+    kernel.block_q, kernel.block_k = blocks
+    try:
+        report = hlotool.explain(fn, *args, kernel="chunked")
+        for site in report.sites:
+            if not site.rewritten and not site.reason:
+                return "wrong", "a site stays native without a reason"
+        if report.rewritten == 0:
+            return "native", "; ".join(s.reason for s in report.sites) or "no site"
+        want = run(jax.jit(fn), args, diff)
+        got = run(hlotool.flash_jit(fn, kernel="chunked"), args, diff)
+    finally:
+        kernel.block_q, kernel.block_k = saved
+    tol = TOLERANCE[p.dtype]
+    terms = _terms(p, args, len(want))
+    err, at = _worst(got, want, terms)
+    if err > tol:
+        with _x64():
+            precise_fn, precise_args, _ = build(p, compute="float64")
+            precise = run(jax.jit(precise_fn), precise_args, diff)
+        naive_err, _ = _worst(want, precise, terms)
+        err, at = _worst(got, precise, terms)
+        if math.isfinite(naive_err):
+            tol = max(tol, 2 * naive_err)
+    if err > tol:
+        name = NAMES[at] if at < len(NAMES) else f"dbias{at - len(NAMES)}"
+        return "wrong", f"{name} differs by {err:.3g} (tolerance {tol:.3g})"
+    return "rewritten", ""
