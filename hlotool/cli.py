@@ -1,16 +1,22 @@
-"""The `hlotool` command line: `inspect` and `dump` the programs a JAX script compiles.
+"""The `hlotool` command line: inspect, dump, cost, rewrite and diff the programs a JAX
+script compiles.
 
 Errors the user can fix (a missing script, a script that raises, an unknown target) print
-one line to stderr and exit non-zero; ``hlotool --debug`` shows the full traceback.
+one line to stderr and exit with `EXIT_BAD_INPUT`; ``hlotool --debug`` shows the full
+traceback. Output paths are resolved before the script runs (it may `os.chdir`) and never
+replace a file hlotool did not write, unless --force.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.metadata
 import json
 import os
+import shutil
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -18,21 +24,32 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hlotool import __version__
-from hlotool.errors import HlotoolError, write_output
+from hlotool.errors import (
+    EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_INTERNAL, EXIT_INTERRUPTED, HlotoolError,
+    check_overwrite, write_output,
+)
 from hlotool.hardware import HARDWARE, get_hardware
+from hlotool.report.console import Term, printable, progress
 from hlotool.report.table import format_table
 from hlotool.targets import TARGETS, default_jax_platforms
 
 if TYPE_CHECKING:
     from hlotool.capture import CapturedFunction
     from hlotool.passes.native import NativeFate
+    from hlotool.targets import Target
 
 STAGE_NAMES = ("jaxpr", "stablehlo", "hlo", "optimized")
 # Widest argument list the table shows in full; longer ones (parameter pytrees) are
 # abbreviated, and `inspect -v` lists every argument.
 _MAX_ARGS_SHOWN = 4
-# `inspect --fail-on-sites` exit status when it finds attention (errors exit 2).
-_SITES_FOUND = 1
+
+_EXIT_CODES = f"""\b
+Exit status:
+  {0}    success
+  {EXIT_FINDINGS}    findings: `inspect --fail-on-sites` found naive attention
+  {EXIT_BAD_INPUT}    bad input: the script, an argument, a target, an output file
+  {EXIT_INTERNAL}    internal error in hlotool (rerun with --debug, please report it)
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)"""
 
 _TARGET_HELP = (
     "Compile target: "
@@ -54,29 +71,73 @@ def _fail_cleanly(command: Callable[..., None]) -> Callable[..., None]:
         except HlotoolError as e:
             if debug:
                 traceback.print_exception(e)
-            click.echo(f"hlotool: error: {e}", err=True)
+            _error(f"error: {e}")
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
             if debug:
                 raise
-            click.echo("hlotool: interrupted", err=True)
-            sys.exit(130)
+            _error("interrupted")
+            sys.exit(EXIT_INTERRUPTED)
         except Exception as e:
             if debug:
                 traceback.print_exception(e)
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            click.echo(
-                f"hlotool: internal error: {type(e).__name__}: {first} "
-                "(rerun with --debug for the traceback)",
-                err=True,
-            )
-            sys.exit(1)
+            _error(f"internal error: {type(e).__name__}: {first} "
+                   "(rerun with --debug for the traceback)")
+            sys.exit(EXIT_INTERNAL)
 
     return click.option("--debug", "debug_here", is_flag=True,
                         help="Show full tracebacks for errors.")(wrapper)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _error(message: str) -> None:
+    term = Term.of(sys.stderr)
+    click.echo(term.style("hlotool:", "bold red") + " " + printable(message), err=True,
+               color=term.color)
+
+
+def _echo(text: str, term: Term, err: bool = False) -> None:
+    """Print report text made for `term` (ANSI colour only where `term` has it)."""
+    click.echo(text, err=err, color=term.color)
+
+
+class _ScriptCommand(click.Command):
+    """A command taking SCRIPT [-- ARGS]: an option it does not know is most likely the
+    script's own, so the error says where those go."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:
+            e.message = (f"{e.message.rstrip('.')}; options for the script go after `--`: "
+                         f"hlotool {ctx.info_name} SCRIPT -- {e.option_name} …")
+            raise
+
+
+class _Group(click.Group):
+    """The `hlotool` group: click's usage errors, too, are one line and `EXIT_BAD_INPUT`."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            return super().main(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.ctx.get_help())
+            sys.exit(EXIT_BAD_INPUT)
+        except click.UsageError as e:
+            command = e.ctx.command_path if e.ctx else "hlotool"
+            _error(f"error: {e.format_message().rstrip('.')} (see `{command} --help`)")
+            sys.exit(EXIT_BAD_INPUT)
+        except click.ClickException as e:
+            _error(f"error: {e.format_message()}")
+            sys.exit(e.exit_code)
+        except click.Abort:
+            _error("interrupted")
+            sys.exit(EXIT_INTERRUPTED)
+
+
+@click.group("hlotool", cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=_EXIT_CODES)
 @click.version_option(
     __version__,
     prog_name="hlotool",
@@ -92,8 +153,28 @@ def cli(debug: bool) -> None:
 
     Unless JAX_PLATFORMS is set, hlotool sets JAX_PLATFORMS=cpu (cuda,cpu with an NVIDIA
     GPU and jax's CUDA plugin) on a machine with no TPU attached, so that libtpu's start-up
-    warnings stay out of the output. TPU targets never need a TPU.
+    warnings stay out of the output. TPU targets never need a TPU. libtpu's log files go to
+    a temporary directory hlotool removes (unless TPU_LOG_DIR is set).
+
+    Tables fit the terminal's width (--json has every field in full); colour on a terminal
+    only, never with NO_COLOR set.
     """
+    _private_libtpu_logs()
+
+
+_LIBTPU_LOGS: list[str] = []
+
+
+def _private_libtpu_logs() -> None:
+    """Point libtpu's log files (a tpu_logs/ directory under the system temp dir, never
+    cleaned) at a temporary directory removed when the process exits. libtpu reads
+    TPU_LOG_DIR once, when it loads, so one directory serves the whole process."""
+    if "TPU_LOG_DIR" in os.environ and not _LIBTPU_LOGS:
+        return  # the user's choice
+    if not _LIBTPU_LOGS:
+        _LIBTPU_LOGS.append(tempfile.mkdtemp(prefix="hlotool-libtpu-logs-"))
+        atexit.register(shutil.rmtree, _LIBTPU_LOGS[0], True)
+    os.environ["TPU_LOG_DIR"] = _LIBTPU_LOGS[0]
 
 
 def _script_argument(command: Callable[..., None]) -> Callable[..., None]:
@@ -101,7 +182,28 @@ def _script_argument(command: Callable[..., None]) -> Callable[..., None]:
     return click.argument("script", metavar="SCRIPT[:NAME]")(command)
 
 
+def _force_option(command: Callable[..., None]) -> Callable[..., None]:
+    return click.option("--force", is_flag=True,
+                        help="Overwrite output files that hlotool did not write.")(command)
+
+
+def _check_kernel(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """Reject an unknown kernel name before the script runs, not after."""
+    from hlotool import kernels
+
+    if value != "auto" and value not in kernels.names():
+        raise click.BadParameter(
+            f"no kernel named {value!r}; known: auto, {', '.join(kernels.names())}")
+    return value
+
+
+def _kernel_option(help_text: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    return click.option("--kernel", default="auto", show_default=True, callback=_check_kernel,
+                        help=help_text)
+
+
 @cli.command(
+    cls=_ScriptCommand,
     epilog="""\b
 Examples:
   hlotool inspect examples/causal_decoder.py
@@ -116,7 +218,8 @@ Examples:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @click.option("--fail-on-sites", is_flag=True,
-              help=f"Exit with status {_SITES_FOUND} when an attention site is found (for CI).")
+              help=f"Exit with status {EXIT_FINDINGS} when an attention site is found (for "
+              f"CI; errors exit {EXIT_BAD_INPUT} or {EXIT_INTERNAL}).")
 @click.option("-v", "--verbose", is_flag=True, help="Also list every argument by name.")
 @_fail_cleanly
 def inspect(
@@ -129,52 +232,114 @@ def inspect(
     and the bytes of the score matrix the naive program materializes. Then, per --target,
     what XLA does with it natively: the fusions and custom calls of the optimized program
     that hold its work (XLA:TPU's own online-softmax shows here) and the [.., Lq, Lk]
-    score buffers that remain. Also lists each function with its arguments and program
-    size per stage for the first --target.
+    score buffers that remain; a program too big for a TPU's HBM is reported as that
+    finding. Also lists each function with its arguments and program size per stage for
+    the first --target.
 
     SCRIPT:NAME keeps only functions whose name matches NAME: a glob when NAME contains
     * ? or [ (matched against the whole name), otherwise a substring. Arguments after
     `--` are passed to the script. The script's own output goes to stderr.
     """
-    from hlotool.passes.native import native_fates
     from hlotool.passes.from_hlo import detect_captured
     from hlotool.report.sites import render_sites, sites_document
     from hlotool.targets import get_target
 
     names = [get_target(t).name for t in dict.fromkeys(targets)]
     path, functions = _capture(script, script_args)
-    rows = [(f, f.instruction_counts(names[0])) for f in functions]
     sites = detect_captured(functions)
-    fates = native_fates(functions, sites, names)
+    with_sites = {s.function for s in sites}
+    failed = _compile(functions, names, lambda f, t: t == names[0] or f.name in with_sites)
+    rows = [(f, _instruction_counts(f, names[0], failed)) for f in functions]
+    fates = _native_fates(functions, sites, names, failed)
+    term = Term.of()
     if as_json:
         doc = sites_document(sites, **_inspect_report(path, names, rows))
         for entry, by_target in zip(doc["sites"], fates):
-            entry["native"] = {t: fate.to_json() for t, fate in by_target.items()}
+            entry["native"] = {t: fate if isinstance(fate, dict) else fate.to_json()
+                               for t, fate in by_target.items()}
         click.echo(json.dumps(doc, indent=2))
     else:
-        click.echo(
-            f"{len(functions)} function{'s' if len(functions) != 1 else ''} compiled by {path} "
-            f"(stage sizes for {names[0]}; compile s: as the script ran)"
-        )
-        click.echo(_function_table(rows, names[0]))
-        click.echo(f"\n{len(sites)} attention site{'s' if len(sites) != 1 else ''}")
+        out = [term.wrap(
+            f"{len(functions)} function{'s' if len(functions) != 1 else ''} compiled by "
+            f"{printable(path)} (stage sizes for {names[0]}; compile s: as the script ran)"),
+            _function_table(rows, names[0], term),
+            f"\n{len(sites)} attention site{'s' if len(sites) != 1 else ''}"]
         if sites:
-            click.echo(render_sites(sites))
-            click.echo(f"\nWhat XLA does natively ({', '.join(names)}):")
-            click.echo(_native_table(fates))
+            out += [render_sites(sites, term), f"\nWhat XLA does natively ({', '.join(names)}):",
+                    _native_table(fates, term)]
         if verbose:
             for f in functions:
-                click.echo(f"\n{f.index} {f.name}  ({f.source or 'source unknown'})")
+                out.append(f"\n{f.index} {printable(f.name)}  "
+                           f"({printable(f.source or 'source unknown')})")
                 arg_names = f.arg_names or [f"arg{i}" for i in range(len(f.in_avals))]
                 for name, arg, gone in zip(arg_names, f.args_summary(), f.donated):
-                    click.echo(f"    {arg:<20} {name}" + ("  (donated)" if gone else ""))
+                    out.append(f"    {arg:<20} {printable(name)}"
+                               + ("  (donated)" if gone else ""))
+        _echo("\n".join(out), term)
     if fail_on_sites and sites:
-        click.echo(f"hlotool: {len(sites)} attention site{'s' if len(sites) != 1 else ''} "
-                   "found (--fail-on-sites)", err=True)
-        sys.exit(_SITES_FOUND)
+        _error(f"{len(sites)} attention site{'s' if len(sites) != 1 else ''} found "
+               "(--fail-on-sites)")
+        sys.exit(EXIT_FINDINGS)
+
+
+def _compile(functions: Sequence[CapturedFunction], targets: Sequence[str],
+             wanted: Callable[[CapturedFunction, str], bool]) -> dict[tuple[int, str], str]:
+    """Compile each wanted (function, target) pair, with a progress line for slow ones.
+    Returns the pairs whose program does not fit the chip's HBM, each with that finding;
+    any other failure is raised."""
+    from hlotool.report.fit import does_not_fit
+
+    failed = {}
+    for t in targets:
+        for f in functions:
+            if not wanted(f, t):
+                continue
+            with progress(f"compiling {f.name} for {t}"):
+                try:
+                    f.compiled(t)
+                except HlotoolError as e:
+                    finding = does_not_fit(e, t)
+                    if finding is None:
+                        raise
+                    failed[(f.index, t)] = finding
+    return failed
+
+
+def _instruction_counts(f: CapturedFunction, target: str,
+                        failed: dict[tuple[int, str], str]) -> dict[str, int | None]:
+    """Program size per stage; no optimized count where the compile did not fit."""
+    if (f.index, target) not in failed:
+        return f.instruction_counts(target)
+    # The lowered stages exist; only XLA's compile failed.
+    from hlotool.capture import _count_eqns, _count_hlo, _count_mlir_ops
+
+    return {"jaxpr": _count_eqns(f.closed_jaxpr.jaxpr),
+            "stablehlo": _count_mlir_ops(f.lowered(target)),
+            "hlo": _count_hlo(f.hlo(debug_info=False, target=target)), "optimized": None}
+
+
+def _native_fates(functions: Sequence[CapturedFunction], sites: Sequence, targets: Sequence[str],
+                  failed: dict[tuple[int, str], str]) -> list[dict[str, Any]]:
+    """Per site, per target: its `NativeFate`, or, where the function's program does not
+    fit the chip, `{"target", "error", "does_not_fit": True}`."""
+    from hlotool.passes.native import native_fates
+
+    out: list[dict[str, Any]] = [{} for _ in sites]
+    for t in targets:
+        too_big = {f.name: failed[(f.index, t)] for f in functions if (f.index, t) in failed}
+        fitting = [i for i, s in enumerate(sites) if s.function not in too_big]
+        fates = native_fates([f for f in functions if f.name not in too_big],
+                             [sites[i] for i in fitting], [t])
+        for i, fate in zip(fitting, fates):
+            out[i][t] = fate[t]
+        for i, s in enumerate(sites):
+            if s.function in too_big:
+                out[i][t] = {"target": t, "error": too_big[s.function], "does_not_fit": True}
+    return out
 
 
 @cli.command(
+    cls=_ScriptCommand,
     short_help="Run SCRIPT and write each compiled function's program at one stage.",
     epilog="""\b
 Examples:
@@ -201,29 +366,34 @@ Examples:
     type=click.Path(file_okay=False),
     help="Directory to write into (created if missing).",
 )
+@_force_option
 @_fail_cleanly
 def dump(
-    script: str, script_args: tuple[str, ...], stage: str, target: str, output: str
+    script: str, script_args: tuple[str, ...], stage: str, target: str, output: str,
+    force: bool,
 ) -> None:
     """Run SCRIPT and write each compiled function's program at one stage.
 
     One file per function, numbered in the order JAX first compiled them:
     NNN_jit_NAME.jaxpr.txt, NNN_jit_NAME.TARGET.stablehlo.mlir, NNN_jit_NAME.TARGET.hlo.txt
     or NNN_jit_NAME.TARGET.optimized.hlo.txt. SCRIPT:NAME and `--` script arguments work
-    as for `inspect`.
+    as for `inspect`. A file of that name that hlotool did not write is kept (the command
+    stops) unless --force.
     """
     from hlotool.targets import get_target
 
     compile_target = get_target(target)
-    _ensure_writable_dir(output)
+    directory = _output_dir(output)
     path, functions = _capture(script, script_args)
     for f in functions:
-        file = os.path.join(output, f.stage_filename(stage, compile_target))
-        write_output(file, f.stage_text(stage, compile_target))
-        click.echo(file)
+        name = f.stage_filename(stage, compile_target)
+        with progress(f"{stage} of {f.name} for {compile_target.name}"):
+            text = f.stage_text(stage, compile_target)
+        write_output(os.path.join(directory, name), text, force=force, listed=True)
+        click.echo(printable(os.path.join(output, name)))
     click.echo(
         f"wrote {len(functions)} file{'s' if len(functions) != 1 else ''} ({stage}, "
-        f"{compile_target.name}) for {path}",
+        f"{compile_target.name}) for {printable(path)}",
         err=True,
     )
 
@@ -249,13 +419,23 @@ def _split_script(script: str) -> tuple[str, str | None]:
     return path, pattern
 
 
-def _ensure_writable_dir(path: str) -> None:
+def _output_dir(path: str) -> str:
+    """`path` made absolute (the script may chdir) and created, before the script runs."""
+    path = os.path.abspath(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise HlotoolError(f"cannot create output directory {path}: {e.strerror or e}") from e
     if not os.access(path, os.W_OK | os.X_OK):
         raise HlotoolError(f"output directory {path} is not writable")
+    return path
+
+
+def _output_file(path: str, force: bool) -> str:
+    """`path` made absolute (the script may chdir), refused now if hlotool may not
+    replace it: before the script runs, not after."""
+    check_overwrite(path, force)
+    return os.path.abspath(path)
 
 
 def _args_cell(f: CapturedFunction) -> str:
@@ -266,7 +446,8 @@ def _args_cell(f: CapturedFunction) -> str:
     return f"{args[0]}, {args[1]}, …, {args[-1]} ({len(args)} args)"
 
 
-def _function_table(rows: Sequence[tuple[CapturedFunction, dict[str, int]]], target: str) -> str:
+def _function_table(rows: Sequence[tuple[CapturedFunction, dict[str, int | None]]],
+                    target: str, term: Term | None = None) -> str:
     headers = ["#", "function", "args", "jaxpr", "stablehlo", "hlo", f"opt ({target})", "compile s"]
     body = [
         [
@@ -276,13 +457,14 @@ def _function_table(rows: Sequence[tuple[CapturedFunction, dict[str, int]]], tar
             str(counts["jaxpr"]),
             str(counts["stablehlo"]),
             str(counts["hlo"]),
-            str(counts["optimized"]),
+            "too big" if counts["optimized"] is None else str(counts["optimized"]),
             _seconds(f),
         ]
         for f, counts in rows
     ]
     numeric = {0, 3, 4, 5, 6, 7}
-    return format_table(headers, body, right_aligned=numeric)
+    return format_table(headers, body, right_aligned=numeric, wrap={1, 2}, optional=(4, 5),
+                        term=term)
 
 
 def _seconds(f: CapturedFunction) -> str:
@@ -291,10 +473,11 @@ def _seconds(f: CapturedFunction) -> str:
 
 
 def _inspect_report(
-    path: str, targets: Sequence[str], rows: Sequence[tuple[CapturedFunction, dict[str, int]]]
+    path: str, targets: Sequence[str],
+    rows: Sequence[tuple[CapturedFunction, dict[str, int | None]]],
 ) -> dict[str, Any]:
     """Everything of the inspect document but its version and sites; "instructions" are
-    counted for the first target."""
+    counted for the first target (optimized: null where the program does not fit)."""
     return {
         "script": path,
         "target": targets[0],
@@ -319,21 +502,30 @@ def _inspect_report(
     }
 
 
-def _native_table(fates: Sequence[dict[str, NativeFate]]) -> str:
-    rows = [
-        [str(i), target, fate.summary(), str(fate.score_buffers)
-         + (f" ({fate.score_buffers_on_chip} on chip)" if fate.score_buffers_on_chip else "")]
-        for i, by_target in enumerate(fates, 1) for target, fate in by_target.items()
-    ]
+def _native_table(fates: Sequence[dict[str, NativeFate | dict[str, Any]]],
+                  term: Term | None = None) -> str:
+    from rich.text import Text
+
+    rows = []
+    for i, by_target in enumerate(fates, 1):
+        for target, fate in by_target.items():
+            if isinstance(fate, dict):
+                rows.append([str(i), target, Text(fate["error"], style="bold yellow"), "-"])
+                continue
+            rows.append([str(i), target, fate.summary(), str(fate.score_buffers) + (
+                f" ({fate.score_buffers_on_chip} on chip)" if fate.score_buffers_on_chip
+                else "")])
     return format_table(["#", "target", "fusions and custom calls holding the site",
-                         "L×L buffers"], rows, right_aligned={0, 3})
+                         "L×L buffers"], rows, right_aligned={0, 3}, wrap={2}, term=term)
 
 
 @cli.command(
+    cls=_ScriptCommand,
     short_help="Run SCRIPT and show what the flash rewrite changes in each compiled program.",
     epilog="""\b
 Examples:
   hlotool diff examples/causal_decoder.py
+  hlotool diff examples/causal_decoder.py -o report.html
   hlotool diff examples/causal_decoder.py --stage optimized --target tpu-v5e -o report.html
   hlotool diff examples/causal_decoder.py:forward --format svg --hops 3 -o pictures/""",
 )
@@ -349,8 +541,9 @@ Examples:
 @click.option(
     "--target", "target", default="cpu", show_default=True, metavar="NAME", help=_TARGET_HELP
 )
-@click.option("--kernel", default="auto", show_default=True,
-              help="Kernel flash_jit uses: auto (per platform) or a name from hlotool.kernels.")
+@_kernel_option("Kernel flash_jit uses: auto (the cost model's choice per platform) or a "
+                "name from hlotool.kernels. Where auto keeps native, the diff shows the "
+                "kernel the target's platform would use if it paid, under auto's verdict.")
 @click.option("--hops", type=click.IntRange(min=0), default=2, show_default=True,
               help="Steps around each changed site drawn in the pictures.")
 @click.option("-o", "--output", "output", type=click.Path(),
@@ -358,16 +551,18 @@ Examples:
 @click.option("--format", "fmt", type=click.Choice(("svg", "png", "dot", "txt")),
               help="Write pieces instead of one HTML report: each site's native/rewritten "
               "picture (svg, png, dot) or each function's text diff (txt).")
+@_force_option
 @_fail_cleanly
 def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, kernel: str,
-         hops: int, output: str | None, fmt: str | None) -> None:
+         hops: int, output: str | None, fmt: str | None, force: bool) -> None:
     """Run SCRIPT and diff each compiled function, native vs hlotool.flash_jit.
 
     Instructions are matched by structure (opcode, shape, operands), not by XLA's names.
     Without -o: one summary line per function and per attention site. -o report.html
     writes one self-contained HTML page (inline SVG; needs graphviz's `dot`) with each
-    site's neighbourhood, native and rewritten side by side. SCRIPT:NAME and `--` script
-    arguments work as for `inspect`.
+    site's neighbourhood, native and rewritten side by side at one scale; a kernel is one
+    box there, its inside drawn below on demand. SCRIPT:NAME and `--` script arguments
+    work as for `inspect`.
     """
     from hlotool.report import render
     from hlotool.targets import get_target
@@ -375,59 +570,117 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
     compile_target = get_target(target)
     if fmt is not None and output is None:
         raise HlotoolError(f"--format {fmt} writes files: name a directory with -o")
+    if fmt is not None:
+        where = _output_dir(output)
+    elif output is not None:
+        where = _output_file(output, force)
     path, functions = _capture(script, script_args)
-    diffs, notes = [], []
+    term = Term.of()
+    diffs, verdicts, notes = [], [], []
     for f in functions:
-        result = _diff_function(f, stage, compile_target.name, kernel)
-        (notes if isinstance(result, str) else diffs).append(result)
+        with progress(f"diffing {f.name} ({stage}, {compile_target.name})"):
+            result, verdict = _diff_function(f, stage, compile_target, kernel)
+        if isinstance(result, str):
+            notes.append(result)
+        else:
+            diffs.append(result)
+            verdicts.append(verdict)
     if not diffs:
-        click.echo(f"nothing to diff in {path}: " + "; ".join(notes))
+        _echo(term.wrap(f"nothing to diff in {printable(path)}:"), term)
+        for note in notes:
+            _echo(term.wrap(printable(note), "  ", "    "), term)
         return
     if fmt is not None:
-        for file in render.write_pieces(diffs, output, fmt, hops):
-            click.echo(file)
+        with progress(f"drawing {fmt} pieces"):
+            files = render.write_pieces(diffs, where, fmt, hops, force=force)
+        for file in files:
+            click.echo(printable(os.path.join(output, os.path.basename(file))))
     elif output is not None:
-        page = render.html_report(diffs, hops, title=f"hlotool diff {os.path.basename(path)}")
-        write_output(output, page)
-        click.echo(output)
+        with progress("drawing the report's graphs"):
+            page = render.html_report(diffs, hops, title=f"hlotool diff {os.path.basename(path)}",
+                                      verdicts=verdicts)
+        write_output(where, page, force=force)
+        click.echo(printable(output))
     else:
-        click.echo(render.text_summary(diffs), nl=False)
+        _echo(render.text_summary(diffs, verdicts, term), term)
     for note in notes:
-        click.echo(f"skipped {note}", err=fmt is not None or output is not None)
+        _echo(term.wrap(f"skipped {printable(note)}", "", "  "), term,
+              err=fmt is not None or output is not None)
 
 
-def _diff_function(f: CapturedFunction, stage: str, target: str, kernel: str) -> Any:
-    """`f` native vs rewritten by flash_jit at `stage`, as a `FunctionDiff`; a one-line
-    reason instead when `f` has no attention site."""
-    import dataclasses
-
+def _diff_function(f: CapturedFunction, stage: str, target: Target, kernel: str
+                   ) -> tuple[Any, str | None]:
+    """`f` native vs rewritten by flash_jit at `stage`: a `FunctionDiff` and, where `kernel`
+    is auto and auto keeps every site native, the verdict of auto above a diff with the
+    kernel `target`'s platform would use if it paid. A one-line reason instead of the
+    diff when `f` has no site or no kernel could take one."""
     import jax
     from jax.extend.core import jaxpr_as_fun
 
     from hlotool.flash import explain, flash_jit
     from hlotool.passes.diff import FunctionDiff, by_site, diff_modules, site_nodes
 
-    native_pre = f.hlo(target=target)
+    native_pre = f.hlo(target=target.name)
     sites = site_nodes(native_pre, f.name)
     if not sites:
-        return f"{f.name}: no attention site"
+        return f"{f.name}: no attention site", None
     fun = jaxpr_as_fun(f.closed_jaxpr)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in f.in_avals]
+    verdict = None
+    report = explain(fun, *args, kernel=kernel)
+    if kernel == "auto" and not report.rewritten:
+        fallback = _kernel_if_it_paid(report, target.platform)
+        if fallback is not None:
+            kernel, verdict = fallback
+            report = explain(fun, *args, kernel=kernel)
+    if not report.rewritten:
+        # Nothing to diff: a re-traced copy of the same program differs only in XLA's noise.
+        return _left_native(f, report), None
     closed = jax.make_jaxpr(flash_jit(fun, kernel=kernel))(*args)
-    rewritten = dataclasses.replace(f, closed_jaxpr=closed, _lowered={}, _compiled={})
+    rewritten = f.with_jaxpr(closed)
     if stage == "hlo":
-        d = diff_modules(native_pre, rewritten.hlo(target=target))
+        d = diff_modules(native_pre, rewritten.hlo(target=target.name))
     else:
-        d = diff_modules(f.optimized(target), rewritten.optimized(target))
+        d = diff_modules(f.optimized(target.name), rewritten.optimized(target.name))
         sites = [(site, set(), lines) for site, _, lines in sites]
     if d.unchanged:
-        report = explain(fun, *args, kernel=kernel)
-        reasons = "; ".join(dict.fromkeys(s.reason for s in report.sites))
-        return f"{f.name}: flash_jit left every site native ({reasons})"
-    return FunctionDiff(f.name, stage, target, d, by_site(d, sites))
+        return _left_native(f, report), None
+    return FunctionDiff(f.name, stage, target.name, d, by_site(d, sites)), verdict
+
+
+def _left_native(f: CapturedFunction, report: Any) -> str:
+    reasons = "; ".join(dict.fromkeys(s.reason for s in report.sites))
+    return f"{f.name}: flash_jit left every site native ({reasons})"
+
+
+def _kernel_if_it_paid(report: Any, platform: str) -> tuple[str, str] | None:
+    """For a report where auto rewrote nothing: the kernel `platform` would run the first
+    site with if the cost model said it paid, and auto's verdict for that platform as one
+    line; None when no kernel takes the sites."""
+    from hlotool import kernels
+    from hlotool.report.rewrite import platform_reasons
+
+    reasons = []
+    name = None
+    for s in report.sites:
+        found = platform_reasons(s.reason)
+        if platform not in found:
+            continue  # kept native for another reason than cost (a blocker): no kernel helps
+        reasons.append(found[platform])
+        if name is None:
+            try:
+                name = kernels.select(s.site, platform)[0].name
+            except HlotoolError:
+                continue
+    if name is None:
+        return None
+    why = "; ".join(dict.fromkeys(r.removeprefix("keep native ") for r in reasons))
+    return name, (f"auto keeps native here {why}. Shown: {name}, the kernel {platform} "
+                  f"would run if it paid (--kernel {name}).")
 
 
 @cli.command(
+    cls=_ScriptCommand,
     short_help="Run SCRIPT and rewrite each compiled function's attention with flash_jit.",
     epilog="""\b
 Examples:
@@ -436,8 +689,8 @@ Examples:
   hlotool rewrite examples/flax_model.py --kernel chunked --json -- --seq-len 256""",
 )
 @_script_argument
-@click.option("--kernel", default="auto", show_default=True,
-              help="auto (per platform) or a kernel name from hlotool.kernels.")
+@_kernel_option("auto (the cost model's choice per platform) or a kernel name from "
+                "hlotool.kernels.")
 @click.option("--stage", type=click.Choice(STAGE_NAMES),
               help="With -o: write each rewritten program at this stage.")
 @click.option(
@@ -446,9 +699,10 @@ Examples:
 @click.option("-o", "--output", "output", type=click.Path(file_okay=False),
               help="Directory for the rewritten programs (created if missing).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@_force_option
 @_fail_cleanly
 def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str | None,
-            target: str, output: str | None, as_json: bool) -> None:
+            target: str, output: str | None, as_json: bool, force: bool) -> None:
     """Run SCRIPT and rewrite each compiled function as hlotool.flash_jit would.
 
     Prints, per attention site, the kernel chosen on each platform (cpu, tpu, cuda) or why
@@ -457,32 +711,36 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
     `inspect`.
     """
     from hlotool.flash import rewrite_captured
+    from hlotool.report.rewrite import render_rewrite
     from hlotool.targets import get_target
 
     if (stage is None) != (output is None):
         raise HlotoolError("--stage and -o go together: name both to write rewritten programs")
     compile_target = get_target(target)
-    if output is not None:
-        _ensure_writable_dir(output)
+    directory = _output_dir(output) if output is not None else None
     path, functions = _capture(script, script_args)
     reports = []
     for f in functions:
-        report, rewritten = rewrite_captured(f, kernel)
+        with progress(f"rewriting {f.name}"):
+            report, rewritten = rewrite_captured(f, kernel)
         reports.append(report)
-        if output is not None:
+        if directory is not None:
             stem, _, rest = f.stage_filename(stage, compile_target).partition(".")
-            file = os.path.join(output, f"{stem}.flash.{rest}")
-            write_output(file, rewritten.stage_text(stage, compile_target))
-            click.echo(file, err=as_json)
+            name = f"{stem}.flash.{rest}"
+            with progress(f"{stage} of the rewritten {f.name} for {compile_target.name}"):
+                text = rewritten.stage_text(stage, compile_target)
+            write_output(os.path.join(directory, name), text, force=force, listed=True)
+            click.echo(printable(os.path.join(output, name)), err=as_json)
     if as_json:
         click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,
                                "functions": [r.to_json() for r in reports]}, indent=2))
         return
-    for report in reports:
-        click.echo(str(report))
+    term = Term.of()
+    _echo("\n".join(render_rewrite(r, term) for r in reports), term)
 
 
 @cli.command(
+    cls=_ScriptCommand,
     short_help="Run SCRIPT and price each attention site natively and with the flash kernel.",
     epilog="""\b
 Examples:
@@ -502,22 +760,30 @@ Examples:
 @click.option("--measure", is_flag=True,
               help="Also time native and kernel on this host, each in its own process.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Write an SVG of predicted time and HBM bytes vs sequence length.")
+              help="Write an SVG of predicted time and HBM bytes vs sequence length, native "
+              "and kernel per --target, for each distinct site shape (one row of panels "
+              "each; sites that differ only in function or source share a row).")
+@_force_option
 @_fail_cleanly
 def cost(script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as_json: bool,
-         backward: bool, no_xla: bool, measure: bool, plot_path: str | None) -> None:
+         backward: bool, no_xla: bool, measure: bool, plot_path: str | None,
+         force: bool) -> None:
     """Run SCRIPT and price each attention site natively and with the flash kernel.
 
     Per site and target: the analytic model (FLOPs, HBM bytes, roofline time, compute- or
     memory-bound), XLA's cost_analysis of the naive and kernel programs (* = numbers XLA is
-    known to get wrong there; see --json caveats) and the verdict.
+    known to get wrong there; see --json caveats) and the verdict. A native program too big
+    for a TPU's HBM is reported as that finding, and the other targets go on.
     """
     from hlotool.report.cost import cost_report
 
     targets = tuple(get_hardware(t).name for t in (targets or ("cpu",)))
+    plot_file = _output_file(plot_path, force) if plot_path else None
     path, functions = _capture(script, script_args)
-    click.echo(cost_report(path, functions, targets, as_json=as_json, backward=backward,
-                           with_xla=not no_xla, measure=measure, plot_path=plot_path))
+    term = Term.of()
+    _echo(cost_report(path, functions, targets, as_json=as_json, backward=backward,
+                      with_xla=not no_xla, measure=measure, plot_path=plot_file,
+                      plot_shown=plot_path, force=force, term=term), term)
 
 
 def main() -> None:

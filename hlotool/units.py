@@ -21,3 +21,12 @@ def format_seconds(s: float) -> str:
         if s >= f:
             return f"{s / f:.3g} {unit}"
     return f"{s / 1e-9:.3g} ns"
+
+
+_XLA_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+
+
+def parse_xla_bytes(text: str) -> int:
+    """A size as XLA's messages print it ("8.00T", "15.75G": binary multiples) in bytes."""
+    number = text.rstrip("KMGTP")
+    return round(float(number) * _XLA_UNITS[text[len(number):]])

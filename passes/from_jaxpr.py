@@ -346,6 +346,19 @@ def detect_jaxpr(closed: core.ClosedJaxpr, function: str = "") -> list[JaxprSite
     if not isinstance(closed, core.ClosedJaxpr):
         raise HlotoolError(f"detect_jaxpr needs a ClosedJaxpr, got {type(closed).__name__}")
     sites, readers = [], {}
+    live = _live_vars(closed.jaxpr)
     for graph in regions(closed):
-        sites.extend(_to_jaxpr_site(closed, m, readers) for m in find(graph, function))
+        sites.extend(s for s in (_to_jaxpr_site(closed, m, readers) for m in find(graph, function))
+                     if s.path or s.out is None or s.out in live)
     return sites
+
+
+def _live_vars(jaxpr: core.Jaxpr) -> set[Any]:
+    """Variables the outputs depend on. jit's lowering drops dead equations (flax's `init`
+    computes the model's output only to throw it away), so a site outside this set is never
+    compiled: the HLO front end cannot see it, and it is no site of the program."""
+    live = {v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in live for v in eqn.outvars):
+            live.update(v for v in eqn.invars if not isinstance(v, core.Literal))
+    return live

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from hlotool import __version__
 from hlotool.cli import cli
+from hlotool.errors import MANIFEST
 
 TWO_FUNCTIONS = """\
 import sys
@@ -123,7 +124,9 @@ def test_dump_each_stage(script, tmp_path):
         assert result.exit_code == 0, result.output
         assert result.stdout.splitlines() == [str(out / first), str(out / second)]
         assert needle in (out / first).read_text()
-    assert len(os.listdir(out)) == 8
+    # Eight programs, and the list of files hlotool wrote (so a rerun may replace them).
+    assert sorted(os.listdir(out))[0] == MANIFEST and len(os.listdir(out)) == 9
+    assert sorted((out / MANIFEST).read_text().splitlines()) == sorted(os.listdir(out))[1:]
     hlo = (out / "001_jit_attention.cpu.hlo.txt").read_text()
     assert "metadata={op_name=" in hlo and "stack_frame_id=" in hlo
     # Source locations are the user's: hlotool's own and click's frames are left out.
@@ -137,7 +140,7 @@ def test_dump_tpu_optimized(script, tmp_path):
     result = run("dump", script() + ":attention", "--stage", "optimized", "--target", "tpu-v5e",
                  "-o", str(out), "--", "256")
     assert result.exit_code == 0, result.output
-    assert os.listdir(out) == ["001_jit_attention.tpu-v5e.optimized.hlo.txt"]
+    assert sorted(os.listdir(out)) == [MANIFEST, "001_jit_attention.tpu-v5e.optimized.hlo.txt"]
     text = (out / "001_jit_attention.tpu-v5e.optimized.hlo.txt").read_text()
     assert "is_scheduled=true" in text and "T(8,128)" in text
 
@@ -217,3 +220,22 @@ def test_python_dash_m_keeps_libtpu_quiet(script, tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[3].split()[:2] == ["1", "attention"]
     assert done.stderr == "done\n"  # the script's print, no libtpu warnings
+
+
+def test_inspect_reports_a_program_too_big_for_hbm(script):
+    from test_cost_cli import DOES_NOT_FIT, HUGE
+
+    path = script(HUGE)
+    result = run("inspect", path, "--target", "cpu", "--target", "tpu-v5e", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    (site,) = doc["sites"]
+    assert site["score_bytes"] == 8 * 2**40
+    assert site["native"]["tpu-v5e"] == {"target": "tpu-v5e", "error": DOES_NOT_FIT,
+                                         "does_not_fit": True}
+    assert site["native"]["cpu"]["score_buffers"] >= 1  # the host compiles it (it never runs)
+    table = run("inspect", path, "--target", "tpu-v5e")
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    assert "too big" in lines[3]  # no optimized program to count
+    assert lines[-1].split(None, 2)[:2] == ["1", "tpu-v5e"] and DOES_NOT_FIT in lines[-1]

@@ -11,7 +11,6 @@ from click.testing import CliRunner
 
 from hlotool.cost import xla
 from hlotool.cli import cli
-from hlotool.report.cost_plot import series
 from hlotool.kernels import get
 from hlotool.site import AttentionSite
 
@@ -61,13 +60,67 @@ def test_table_and_plot(model, tmp_path):
                                         "--target", "h200", "--plot", str(svg)])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("1 attention site in")
+    assert lines[0].startswith("1 attention site in") and \
+        "priced for inference (forward pass only)" in lines[0]
     assert sum("kernel pays (×" in line for line in lines) == 2
+    assert result.stderr == f"wrote {svg}\n"
     root = ET.parse(svg).getroot()
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f"{ns}polyline")) == 2 * 2 * 2  # 2 panels x 2 chips x 2 sides
-    marks = [t.text for t in root.iter(f"{ns}text") if t.get("class") == "crossover"]
-    assert marks == [f"L={series(SITE, t).crossover}" for t in ("cpu", "h200")]
+    texts = [t.text for t in root.iter(f"{ns}text")]
+    # At L=1024 x 64 the kernel wins from the sweep's first length on: no crossover is drawn.
+    assert [t for t in root.iter(f"{ns}text") if t.get("class") == "crossover"] == []
+    assert "cpu: native (solid), kernel (dashed); kernel faster at every L ≥ 128" in texts
+    assert [t.text for t in root.iter(f"{ns}text") if t.get("class") == "own-length"] == [
+        "this script: L=1024"] * 2
+    # Tick labels in the units the tables use.
+    assert "1.0 GiB" in texts and "10 ms" in texts
+
+
+def test_plot_marks_a_crossover_only_where_native_led():
+    from hlotool.report.cost_plot import Series
+
+    lengths = (128, 256, 512)
+    crossing = Series("x", lengths, (1.0, 2.0, 4.0), (2.0, 1.5, 1.0), (1, 1, 1), (1, 1, 1))
+    assert crossing.crossover == 256 and crossing.outcome == "kernel faster from L=256"
+    ahead = Series("x", lengths, (2.0, 2.0, 2.0), (1.0, 1.0, 1.0), (1, 1, 1), (1, 1, 1))
+    assert ahead.crossover is None and ahead.outcome == "kernel faster at every L ≥ 128"
+    behind = Series("x", lengths, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0), (1, 1, 1), (1, 1, 1))
+    assert behind.crossover is None and behind.outcome == "native faster at every L ≤ 512"
+
+
+TWO_SHAPES = textwrap.dedent("""\
+    import jax, jax.numpy as jnp
+
+    @jax.jit
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    x = jnp.ones((1, 512, 2, 64))
+    attention(x, x, x)
+    y = jnp.ones((1, 256, 4, 32))
+    attention(y, y, y)
+    attention(y[:, :128], y[:, :128], y[:, :128])
+    """)
+
+
+def test_plot_has_a_row_per_site_shape(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(TWO_SHAPES)
+    svg = tmp_path / "cost.svg"
+    result = CliRunner().invoke(cli, ["cost", str(path), "--no-xla", "--plot", str(svg)])
+    assert result.exit_code == 0, result.output
+    root = ET.parse(svg).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    titles = [t.text for t in root.iter(f"{ns}text") if t.get("font-weight") == "bold"]
+    # Three sites, two shapes once the length is swept: H=4, D=32 holds two sites.
+    assert titles == ["attention (1 site): B=1 H=2 D=64 float32 mask none; Lq = Lk swept",
+                      "attention (2 sites): B=1 H=4 D=32 float32 mask none; Lq = Lk swept"]
+    own = [t.text for t in root.iter(f"{ns}text") if t.get("class") == "own-length"]
+    assert own == ["this script: L=512"] * 2 + ["this script: L=128", "this script: L=256"] * 2
+    help_text = CliRunner().invoke(cli, ["cost", "--help"]).stdout
+    assert "for each distinct site shape" in " ".join(help_text.split())
 
 
 def test_unknown_target_is_one_line(model):
@@ -123,3 +176,37 @@ def test_tpu_fusion_is_read_from_the_scripts_own_program(tmp_path, text, fused):
     # XLA:CPU never fuses attention: known without compiling anything.
     assert cpu["verdict"]["native_fused"] is False
     assert cpu["native_fused_from"] == "XLA:CPU has no attention fusion"
+
+
+# 8 TiB of f32 scores: the shapes flash attention exists for; XLA:TPU refuses to compile the
+# naive program into a v5e's 16 GiB HBM.
+HUGE = textwrap.dedent("""\
+    import jax, jax.numpy as jnp
+
+    @jax.jit
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    x = jax.ShapeDtypeStruct((1, 524288, 8, 64), jnp.float32)
+    attention.lower(x, x, x)
+    """)
+DOES_NOT_FIT = ("native does not fit in tpu-v5e's 16.0 GiB HBM: needs 8.0 TiB of temporaries "
+                "(XLA:TPU sees 15.8 GiB free)")
+
+
+def test_native_too_big_for_hbm_is_a_finding_and_other_targets_go_on(tmp_path):
+    path = tmp_path / "huge.py"
+    path.write_text(HUGE)
+    result = CliRunner().invoke(cli, ["cost", str(path), "--target", "tpu-v5e",
+                                      "--target", "h100", "--json"])
+    assert result.exit_code == 0, result.output
+    (entry,) = json.loads(result.stdout)["sites"]
+    tpu, h100 = entry["targets"]["tpu-v5e"], entry["targets"]["h100"]
+    assert tpu["does_not_fit"] == DOES_NOT_FIT and tpu["verdict"]["pays"]
+    assert h100["verdict"]["pays"] and "does_not_fit" not in h100
+    table = CliRunner().invoke(cli, ["cost", str(path), "--target", "tpu-v5e", "--target",
+                                     "h100"])
+    assert table.exit_code == 0, table.output
+    assert sum(DOES_NOT_FIT in line for line in table.stdout.splitlines()) == 1
+    assert any(line.lstrip().startswith("h100 ") for line in table.stdout.splitlines())

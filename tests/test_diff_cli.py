@@ -9,8 +9,8 @@ import xml.etree.ElementTree as ET
 import pytest
 from click.testing import CliRunner
 
-from hlotool.report import render
 from hlotool.cli import cli
+from hlotool.errors import MANIFEST
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None,
                                reason="graphviz `dot` not installed (apt-get install graphviz)")
@@ -74,15 +74,21 @@ def test_nothing_to_diff(tmp_path):
     path.write_text(NO_SITES)
     result = run("diff", str(path))
     assert result.exit_code == 0
-    assert result.stdout.strip() == f"nothing to diff in {path}: <lambda>: no attention site"
+    assert result.stdout.splitlines() == [f"nothing to diff in {path}:",
+                                          "  <lambda>: no attention site"]
 
 
-def test_site_left_native_is_no_diff(model):
-    # At L = 128 flash_jit keeps XLA's native attention on CPU: the diff says so and why.
+def test_site_auto_keeps_native_still_shows_the_kernel(model):
+    # At L = 128 flash_jit keeps XLA's native attention on CPU: the diff shows the kernel
+    # the CPU would use, under auto's verdict.
     result = run("diff", f"{model}:attention", "--", "128")
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith(
-        f"nothing to diff in {model}: attention: flash_jit left every site native (")
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("attention (hlo, cpu): −")
+    assert lines[1].startswith("  auto keeps native here (short sequence: Lq=128, Lk=128;")
+    assert lines[1].endswith("Shown: chunked, the kernel cpu would run if it paid "
+                             "(--kernel chunked).")
+    assert lines[2].startswith("  site 1: attention q[1×128×2×16]")
 
 
 def test_format_needs_a_directory(model):
@@ -93,7 +99,7 @@ def test_format_needs_a_directory(model):
 
 
 def test_missing_graphviz_keeps_text_working(model, tmp_path, monkeypatch):
-    monkeypatch.setattr(render.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "")  # no `dot` to run
     result = run("diff", f"{model}:attention", "-o", str(tmp_path / "r.html"))
     assert result.exit_code == 2
     assert "apt-get install graphviz" in result.output
@@ -119,4 +125,8 @@ def test_pieces(model, tmp_path):
                  "-o", str(tmp_path / "dots"))
     assert result.exit_code == 0, result.output
     files = sorted(p.name for p in (tmp_path / "dots").iterdir())
-    assert files == ["attention.site1.native.dot", "attention.site1.rewritten.dot"]
+    # The rewritten side draws the chunked kernel as one box; its inside is a piece of its own.
+    assert files == [MANIFEST, "attention.site1.kernel.dot", "attention.site1.native.dot",
+                     "attention.site1.rewritten.dot"]
+    rewritten = (tmp_path / "dots" / "attention.site1.rewritten.dot").read_text()
+    assert rewritten.count("shape=box3d") == 1 and "label=\"chunked kernel\\n" in rewritten

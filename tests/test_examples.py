@@ -90,3 +90,18 @@ def test_examples_run_as_plain_scripts():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "lengths [16, 12] pooled (2, 64) float32"
+
+
+@pytest.mark.parametrize("name", ["causal_decoder", "flax_model", "padded_encoder"])
+def test_readme_diff_command_writes_a_report_for_each_example(name, tmp_path, monkeypatch):
+    # README: `hlotool diff model.py -o report.html`, word for word, at the examples' own
+    # sizes, where auto keeps XLA's attention: the report shows the kernel under that verdict.
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["diff", str(EXAMPLES / f"{name}.py"), "-o",
+                                      "report.html"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "report.html\n"
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("<h3>native") >= 1 and page.count("<h3>rewritten") >= 1
+    assert '<p class="verdict">' in page and "auto keeps native here (short sequence" in page
+    assert "Shown: chunked, the kernel cpu would run if it paid (--kernel chunked)." in page

@@ -9,6 +9,7 @@ import textwrap
 from click.testing import CliRunner
 
 from hlotool.cli import cli
+from hlotool.errors import MANIFEST
 
 SCRIPT = """\
 import sys
@@ -45,10 +46,16 @@ def test_rewrite_prints_each_site_decision(tmp_path):
     result = run("rewrite", write_script(tmp_path), "--", "512")
     assert result.exit_code == 0, result.output
     out = result.stdout
-    assert "attention: 1 site(s), 1 rewritten" in out
-    assert "cpu: chunked, tpu: pallas_tpu, cuda: pallas_gpu" in out
-    assert "probs_too: 1 site(s), 0 rewritten" in out and "used outside it" in out
-    assert "model.py:6" in out  # the user's line of the first site
+    lines = out.splitlines()
+    assert lines[0] == "attention: 1 site, 1 rewritten"
+    assert lines[1].startswith("  [0] ") and lines[1].endswith(
+        "model.py:6 (top level) q[512, 16] k[512, 16] float32 mask=none")  # the user's line
+    assert [line.split(" — ")[0] for line in lines[2:5]] == [
+        "      cpu: chunked", "      tpu: pallas_tpu", "      cuda: pallas_gpu"]
+    assert lines[2].endswith(" — kernel pays (×33.0 less HBM traffic, roofline ×15.9 faster)")
+    assert lines[5] == "probs_too: 1 site, 0 rewritten"
+    assert lines[7].startswith("      cpu, tpu, cuda: native — intermediate values of the "
+                               "attention (f32[512,512]) are used outside it")
 
 
 def test_rewrite_json_short_keys_stay_native(tmp_path):
@@ -68,7 +75,7 @@ def test_rewrite_writes_programs_for_tpu(tmp_path):
     result = run("rewrite", write_script(tmp_path) + ":attention", "--stage", "stablehlo",
                  "--target", "tpu-v5e", "-o", str(out), "--", "512")
     assert result.exit_code == 0, result.output
-    assert os.listdir(out) == ["001_jit_attention.flash.tpu-v5e.stablehlo.mlir"]
+    assert sorted(os.listdir(out)) == [MANIFEST, "001_jit_attention.flash.tpu-v5e.stablehlo.mlir"]
     text = (out / "001_jit_attention.flash.tpu-v5e.stablehlo.mlir").read_text()
     assert text.count("stablehlo.custom_call @tpu_custom_call") == 1
 
@@ -78,6 +85,40 @@ def test_rewrite_bad_options(tmp_path):
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert result.stderr.strip().splitlines()[-1] == (
         "hlotool: error: --stage and -o go together: name both to write rewritten programs")
-    result = run("rewrite", write_script(tmp_path), "--kernel", "flash9", "--", "512")
-    assert result.exit_code != 0 and "no kernel named 'flash9'" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    # An unknown kernel is refused before the script runs (it would print "ran").
+    path = write_script(tmp_path)
+    with open(path, "a") as f:
+        f.write("print('ran')\n")
+    result = run("rewrite", path, "--kernel", "flash9", "--", "512")
+    assert result.exit_code == 2 and "ran" not in result.output
+    assert result.stderr.splitlines() == [
+        "hlotool: error: Invalid value for '--kernel': no kernel named 'flash9'; known: auto, "
+        "pallas_tpu, pallas_gpu, chunked, reference (see `hlotool rewrite --help`)"]
+
+
+DEAD_ATTENTION = """\
+import jax, jax.numpy as jnp
+
+@jax.jit
+def init(q, k, v):
+    # flax's model.init: the model runs for its shapes, its output is thrown away.
+    jax.nn.softmax(q @ k.T / 4.0, axis=-1) @ v
+    return {"w": q.sum()}
+
+x = jnp.ones((256, 16))
+init(x, x, x)
+"""
+
+
+def test_dead_attention_is_no_site_for_either_front_end(tmp_path):
+    # jit never compiles an attention whose result is unused: the jaxpr front end (rewrite)
+    # and the HLO front end (inspect, diff) both say there is none.
+    path = tmp_path / "model.py"
+    path.write_text(DEAD_ATTENTION)
+    rewritten = run("rewrite", str(path))
+    assert rewritten.exit_code == 0, rewritten.output
+    assert rewritten.stdout == "init: no attention site\n"
+    diffed = run("diff", str(path))
+    assert diffed.stdout.splitlines()[1:] == ["  init: no attention site"]
+    inspected = run("inspect", str(path), "--json")
+    assert json.loads(inspected.stdout)["sites"] == []

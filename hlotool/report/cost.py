@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import click
+from rich.text import Text
 
 from hlotool.cost import xla
 from hlotool.cost.decision import verdict
@@ -19,37 +20,51 @@ from hlotool.cost.measure import measure
 from hlotool.cost.model import kernel_for
 from hlotool.errors import HlotoolError, write_output
 from hlotool.hardware import get_hardware
+from hlotool.report.console import Term, progress
+from hlotool.report.fit import does_not_fit
 from hlotool.report.table import format_table
 from hlotool.site import AttentionSite
 from hlotool.units import format_bytes, format_seconds
 
 
 def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_json: bool,
-                backward: bool, with_xla: bool, measure: bool, plot_path: str | None) -> str:
-    """The `hlotool cost` output for the functions a script compiled: a table, or one JSON
-    document with, per site and target, each source's native and kernel figures and the
-    verdict. Writes the SVG plot of the first site to `plot_path` when given."""
+                backward: bool, with_xla: bool, measure: bool, plot_path: str | None,
+                plot_shown: str | None = None, force: bool = False,
+                term: Term | None = None) -> str:
+    """The `hlotool cost` output for the functions a script compiled: a table fitted to
+    `term`, or one JSON document with, per site and target, each source's native and
+    kernel figures and the verdict. Writes the SVG plot (a row of panels per distinct site
+    shape) to `plot_path` when given, announcing it as `plot_shown`."""
     from hlotool.passes.from_hlo import detect_captured
 
     names = tuple(get_hardware(t).name for t in targets)
     sites = detect_captured(functions)
-    fused = _fusion_in_program(functions, sites, names) if with_xla and sites else None
-    entries = [site_entry(s, names, with_xla=with_xla, with_measure=measure,
-                          backward=backward, native_fused=f)
-               for s, f in zip(sites, fused or [None] * len(sites))]
+    with progress(f"compiling {len(functions)} function(s) for XLA:TPU's own fusion"):
+        fused = _fusion_in_program(functions, sites, names) if with_xla and sites else None
+    entries = []
+    for i, (s, f) in enumerate(zip(sites, fused or [None] * len(sites)), 1):
+        with progress(f"pricing site {i} of {len(sites)} on {', '.join(names)}"):
+            entries.append(site_entry(s, names, with_xla=with_xla, with_measure=measure,
+                                      backward=backward, native_fused=f))
     if plot_path and sites:
-        _write_plot(plot_path, sites[0], names)
-        click.echo(f"wrote {plot_path}", err=True)
+        _write_plot(plot_path, sites, names, force)
+        click.echo(f"wrote {plot_shown or plot_path}", err=True)
     if as_json:
         doc = {"version": 1, "script": path, "backward": backward,
                "hardware": {n: get_hardware(n).to_json() for n in names}, "sites": entries}
         return json.dumps(doc, indent=2)
     if not sites:
         return f"no attention site in the {len(functions)} functions {path} compiled"
-    header = (f"{len(sites)} attention site{'s' if len(sites) != 1 else ''} in {path} "
-              f"({'forward + backward' if backward else 'forward'}; t: roofline, c/m = "
-              "compute/memory-bound)")
-    return header + "\n" + format_table(HEADERS, table(entries), right_aligned={2, 3, 4, 5, 6, 7})
+    term = term or Term()
+    priced = ("training (forward and backward pass)" if backward
+              else "inference (forward pass only)")
+    header = (f"{len(sites)} attention site{'s' if len(sites) != 1 else ''} in {path}, "
+              f"priced for {priced}."
+              " t: roofline time, c/m: compute- or memory-bound; * XLA's number is known to "
+              "be wrong there (--json says why)")
+    return term.wrap(header) + "\n" + format_table(
+        HEADERS, table(entries), right_aligned={2, 3, 4, 5, 6}, wrap={0, 7}, optional=(6, 5, 4),
+        term=term)
 
 
 def _fusion_in_program(functions: Sequence, sites: Sequence, names: Sequence[str]
@@ -72,13 +87,11 @@ def _fusion_in_program(functions: Sequence, sites: Sequence, names: Sequence[str
             for by_target in fates]
 
 
-def _write_plot(path: str, site, names: Sequence[str]) -> None:
-    from hlotool.report.cost_plot import series, svg
+def _write_plot(path: str, sites: Sequence[AttentionSite], names: Sequence[str],
+                force: bool) -> None:
+    from hlotool.report.cost_plot import plot
 
-    title = (f"{site.function or 'site'}: B={site.batch} H={site.num_q_heads} "
-             f"D={site.head_dim} {site.dtype} {site.mask}, Lq = Lk swept")
-    text = svg([series(site, n) for n in names], title)
-    write_output(path, text)
+    write_output(path, plot(sites, names), force=force)
     if not os.path.getsize(path):
         raise HlotoolError(f"wrote nothing to {path}")
 
@@ -97,9 +110,20 @@ def site_entry(site: AttentionSite, targets: Sequence[str], *, with_xla: bool = 
     per_target = {}
     for name in targets:
         hw = get_hardware(name)
-        v = verdict(site, hw, backward=backward, native_fused=seen.get(name),
-                    check_fusion=with_xla)
+        too_big = None
+        try:
+            v = verdict(site, hw, backward=backward, native_fused=seen.get(name),
+                        check_fusion=with_xla)
+        except HlotoolError as e:
+            too_big = does_not_fit(e, name)
+            if too_big is None:
+                raise
+            # XLA:TPU could not compile the naive program to look for its own fusion: a
+            # program that does not fit has none to offer.
+            v = verdict(site, hw, backward=backward, native_fused=False, check_fusion=False)
         entry: dict[str, Any] = {"verdict": v.to_json()}
+        if too_big:
+            entry["does_not_fit"] = too_big
         if v.native_fused is not None:
             entry["native_fused_from"] = (
                 "the compiled program" if name in seen
@@ -110,7 +134,7 @@ def site_entry(site: AttentionSite, targets: Sequence[str], *, with_xla: bool = 
                 figs = xla.site_figures(site, hw.compile_target, kernel_for(site, hw))
                 entry["xla"] = {side: f.to_json() for side, f in figs.items()}
             except HlotoolError as e:
-                entry["xla"] = {"error": str(e)}
+                entry["xla"] = {"error": does_not_fit(e, name) or str(e)}
         elif with_xla:
             entry["xla"] = {"error": f"no compiler for {name} on this machine: analytic only"}
         per_target[name] = entry
@@ -125,8 +149,9 @@ def site_entry(site: AttentionSite, targets: Sequence[str], *, with_xla: bool = 
     return out
 
 
-def table(entries: Sequence[dict[str, Any]]) -> list[list[str]]:
-    """Rows: site, target, native/kernel time and HBM bytes, XLA flops per side, verdict."""
+def table(entries: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    """Rows: site, target, native/kernel time and HBM bytes, XLA flops per side, verdict
+    (green where the kernel pays; a native program too big for the chip leads it)."""
     rows = []
     for i, e in enumerate(entries, 1):
         s = e["site"]
@@ -140,27 +165,26 @@ def table(entries: Sequence[dict[str, Any]]) -> list[list[str]]:
                 format_seconds(n["seconds"]) + f" {n['bound'][0]}",
                 format_seconds(k["seconds"]) + f" {k['bound'][0]}" if k else "-",
                 format_bytes(n["hbm_bytes"]), format_bytes(k["hbm_bytes"]) if k else "-",
-                _flops(x.get("native")), _flops(x.get("kernel")),
-                v["reason"],
+                f"{_flops(x.get('native'))} / {_flops(x.get('kernel'))}",
+                Text("; ".join(filter(None, (t.get("does_not_fit"), v["reason"]))),
+                     style="green" if v["pays"] else ""),
             ])
             label = ""
         m = e.get("measured")
         if m:
             cells = [_measured(m.get(side, {})) for side in ("native", "kernel")]
-            rows.append(["", "measured (this host)", cells[0], cells[1], "", "", "", "", ""])
+            rows.append(["", "measured (this host)", cells[0], cells[1], "", "", "", ""])
     return rows
 
 
 HEADERS = ["site", "target", "native t", "kernel t", "native HBM", "kernel HBM",
-           "XLA flops native", "XLA flops kernel", "verdict"]
+           "XLA flops native / kernel", "verdict"]
 
 
 def _measured(m: dict[str, Any]) -> str:
     if "error" in m:
         return "skipped"
     return f"{format_seconds(m['seconds'])} {format_bytes(m['peak_rss_bytes'])}"
-
-
 
 
 def _flops(figs: dict[str, Any] | None) -> str:

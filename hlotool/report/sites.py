@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from hlotool.report.console import Term
 from hlotool.report.table import format_table
 from hlotool.site import AttentionSite
 from hlotool.units import format_bytes
@@ -39,9 +40,14 @@ HEADERS = ("#", "function", "source", "layout", "q k v", "dtype", "heads q/kv", 
            "mask", "scores")
 
 
-def render_sites(sites: Sequence[AttentionSite]) -> str:
-    """An aligned text table, one row per site; says so when there are none."""
+def render_sites(sites: Sequence[AttentionSite], term: Term | None = None) -> str:
+    """An aligned text table, one row per site, fitted to `term`; says so when there are
+    none."""
     if not sites:
         return "no attention sites found"
     return format_table(HEADERS, [_row(i, s) for i, s in enumerate(sites, 1)],
-                        right_aligned={0, 9})
+                        right_aligned={0, 9},
+                        # A source path folds only when nothing else can; q k v wraps a
+                        # shape a line.
+                        wrap={1: 10, 2: 30, 4: 11}, optional=(3, 7, 6),
+                        term=term)
