@@ -617,7 +617,7 @@ def _diff_function(f: CapturedFunction, stage: str, target: Target, kernel: str
     import jax
     from jax.extend.core import jaxpr_as_fun
 
-    from hlotool.flash import explain, flash_jit
+    from hlotool.flash import explain, rewrite_captured
     from hlotool.passes.diff import FunctionDiff, by_site, diff_modules, site_nodes
 
     native_pre = f.hlo(target=target.name)
@@ -636,8 +636,7 @@ def _diff_function(f: CapturedFunction, stage: str, target: Target, kernel: str
     if not report.rewritten:
         # Nothing to diff: a re-traced copy of the same program differs only in XLA's noise.
         return _left_native(f, report), None
-    closed = jax.make_jaxpr(flash_jit(fun, kernel=kernel))(*args)
-    rewritten = f.with_jaxpr(closed)
+    _, rewritten = rewrite_captured(f, kernel)
     if stage == "hlo":
         d = diff_modules(native_pre, rewritten.hlo(target=target.name))
     else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
@@ -118,9 +119,21 @@ def _choices(site: JaxprSite, form: lower.KernelForm, kernel: str) -> dict[str, 
     return out
 
 
+def scope(index: int, site: AttentionSite) -> str:
+    """The name scope a rewritten site runs under: "hlotool/site3:model.py:56"."""
+    where = os.path.basename(site.source) if site.source else "?"
+    return f"hlotool/site{index}:{where}"
+
+
 def replacement(jaxpr: core.Jaxpr, site: JaxprSite, form: lower.KernelForm,
-                plan: Mapping[str, str | None], mesh: Any = None) -> Replacement:
-    """The function computing `site.out` under `plan` (platform → kernel name or None)."""
+                plan: Mapping[str, str | None], mesh: Any = None, index: int = 0
+                ) -> Replacement:
+    """The function computing `site.out` under `plan` (platform → kernel name or None).
+
+    It runs under the name scope `scope(index, site)` and each kernel under its own name
+    (".../pallas_tpu"), so profiles name the site and the kernel of every op; the scope sits
+    around the kernel call, never inside a Pallas kernel body (jax#40637: scopes there can
+    constrain scheduling)."""
     inputs = free_inputs(jaxpr, site)
     naive = native(jaxpr, site)
 
@@ -129,8 +142,10 @@ def replacement(jaxpr: core.Jaxpr, site: JaxprSite, form: lower.KernelForm,
             values = dict(zip(inputs, xs))
             if name is None:
                 return naive(values)
-            call, nan_rows = lower.operands(form, site, values)
-            return lower.restore(site, on_mesh(kernels.get(name).run, call, mesh), nan_rows)
+            with jax.named_scope(name):
+                call, nan_rows = lower.operands(form, site, values)
+                out = on_mesh(kernels.get(name).run, call, mesh)
+                return lower.restore(site, out, nan_rows)
         return run
 
     def run(values: Mapping[Any, jax.Array]) -> jax.Array:
@@ -145,6 +160,7 @@ def replacement(jaxpr: core.Jaxpr, site: JaxprSite, form: lower.KernelForm,
             tuple(at.get(m.var) for m, _ in form.biases), tuple(at.get(m.var) for m in form.masks),
             at[site.q.var], site.q.layout, at[site.k.var], site.k.layout, at[site.v.var],
             site.v.layout, site.out_layout, site.out.aval)
+    run.scope = scope(index, site.site)
     return run
 
 
@@ -164,7 +180,7 @@ def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
             "only")), []
     disabled = disabled or {}
     reports, replacements = [], []
-    for site in detect_jaxpr(closed, function):
+    for index, site in enumerate(detect_jaxpr(closed, function), 1):
         jaxpr = jaxpr_at(closed, site.path)
         plan = dict.fromkeys(PLATFORMS)
         reason = disabled.get(site_key(site))
@@ -178,7 +194,8 @@ def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
                 plan = {p: c.kernel for p, c in choices.items()}
                 reason = "; ".join(f"{p}: {c.reason}" for p, c in choices.items())
                 if any(plan.values()):
-                    replacements.append((site, replacement(jaxpr, site, form, plan, mesh)))
+                    replacements.append((site, replacement(jaxpr, site, form, plan, mesh,
+                                                           index)))
         reports.append(SiteReport(site.site, describe_path(closed, site.path), plan, reason))
     return Report(function, tuple(reports)), replacements
 

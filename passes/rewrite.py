@@ -31,6 +31,9 @@ from hlotool.errors import HlotoolError
 from hlotool.passes.from_jaxpr import JaxprSite, Path, subjaxpr
 
 # Computes a site's output [out var's shape] from the site's free inputs, keyed by variable.
+# A `scope` attribute names the site in profiles: the spliced call runs under that name
+# scope (on top of the site's own), so XProf, TensorBoard and HLO op_name metadata show
+# which site each op belongs to.
 Replacement = Callable[[Mapping[Any, jax.Array]], jax.Array]
 
 
@@ -140,8 +143,13 @@ def _substitute(jaxpr: core.Jaxpr, sites: Sequence[tuple[JaxprSite, Replacement]
             raise RewriteError("two sites share equations")
         at = next(i for i in site.eqns if site.out in jaxpr.eqns[i].outvars)
         traced = _traced_eqn(fn, free_inputs(jaxpr, site), site.out, name, cache)
-        # The call carries the site's own source line, so HLO metadata points at the user.
-        placed[at] = traced.replace(source_info=jaxpr.eqns[at].source_info)
+        # The call carries the site's own source line, so HLO metadata points at the user,
+        # and its scope; set here, not while tracing, so identical sites share one trace.
+        info = jaxpr.eqns[at].source_info
+        scope = getattr(fn, "scope", None)
+        if scope:
+            info = info.replace(name_stack=info.name_stack.extend(scope))
+        placed[at] = traced.replace(source_info=info)
         drop.update(site.eqns)
     eqns = [placed[i] if i in placed else e for i, e in enumerate(jaxpr.eqns)
             if i in placed or i not in drop]
