@@ -221,10 +221,14 @@ Examples:
               help=f"Exit with status {EXIT_FINDINGS} when an attention site is found (for "
               f"CI; errors exit {EXIT_BAD_INPUT} or {EXIT_INTERNAL}).")
 @click.option("-v", "--verbose", is_flag=True, help="Also list every argument by name.")
+@click.option("--why-not", is_flag=True,
+              help="Also list near misses: an exp between two dots that is not attention, with "
+              "its source line and the first rule it breaks (a where(mask, p, 0) after the "
+              "softmax, tanh soft-capping, a head mask, ...).")
 @_fail_cleanly
 def inspect(
     script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as_json: bool,
-    fail_on_sites: bool, verbose: bool,
+    fail_on_sites: bool, verbose: bool, why_not: bool,
 ) -> None:
     """Run SCRIPT and report every attention site in the functions JAX compiled.
 
@@ -240,13 +244,14 @@ def inspect(
     * ? or [ (matched against the whole name), otherwise a substring. Arguments after
     `--` are passed to the script. The script's own output goes to stderr.
     """
-    from hlotool.passes.from_hlo import detect_captured
-    from hlotool.report.sites import render_sites, sites_document
+    from hlotool.passes.from_hlo import detect_captured, near_misses_captured
+    from hlotool.report.sites import render_near_misses, render_sites, sites_document
     from hlotool.targets import get_target
 
     names = [get_target(t).name for t in dict.fromkeys(targets)]
     path, functions = _capture(script, script_args)
     sites = detect_captured(functions)
+    misses = near_misses_captured(functions) if why_not else []
     with_sites = {s.function for s in sites}
     failed = _compile(functions, names, lambda f, t: t == names[0] or f.name in with_sites)
     rows = [(f, _instruction_counts(f, names[0], failed)) for f in functions]
@@ -257,6 +262,8 @@ def inspect(
         for entry, by_target in zip(doc["sites"], fates):
             entry["native"] = {t: fate if isinstance(fate, dict) else fate.to_json()
                                for t, fate in by_target.items()}
+        if why_not:
+            doc["near_misses"] = [m.to_json() for m in misses]
         click.echo(json.dumps(doc, indent=2))
     else:
         out = [term.wrap(
@@ -267,6 +274,9 @@ def inspect(
         if sites:
             out += [render_sites(sites, term), f"\nWhat XLA does natively ({', '.join(names)}):",
                     _native_table(fates, term)]
+        if why_not:
+            out += [f"\n{len(misses)} near miss{'es' if len(misses) != 1 else ''} (almost "
+                    "attention, not detected)", render_near_misses(misses, term)]
         if verbose:
             for f in functions:
                 out.append(f"\n{f.index} {printable(f.name)}  "

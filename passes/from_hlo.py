@@ -16,6 +16,7 @@ import numpy as np
 from hlotool.errors import HlotoolError
 from hlotool.hlo import Computation, Instruction, Module, parse_module
 from hlotool.passes.attention import Match, find
+from hlotool.passes.near_miss import NearMiss, near_misses
 from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, uniform_value, user_source
 from hlotool.site import AttentionSite
 
@@ -117,13 +118,33 @@ def _graph(comp: Computation, module: Module) -> Graph:
 
 def find_matches(module: Module, function: str = "") -> list[Match]:
     """Every attention site in every computation of `module`, with its graph description."""
+    return [m for m, _ in _per_region(module, function) if m is not None]
+
+
+def _per_region(module: Module, function: str) -> list[tuple[Match, Graph]]:
     if any(i.opcode == "call" for i in module.instructions()):
         module = module.inline_calls()
-    matches = []
+    out = []
     for comp in module.computations.values():
         if any(i.opcode == "dot" for i in comp.instructions):
-            matches.extend(find(_graph(comp, module), function))
-    return matches
+            graph = _graph(comp, module)
+            found = find(graph, function)
+            out.extend((m, graph) for m in found)
+            if not found:
+                out.append((None, graph))
+    return out
+
+
+def near_misses_hlo(module: Module | str, function: str = "") -> list[NearMiss]:
+    """Almost-attention in `module` that is not a site, each with the first rule it breaks."""
+    module = parse_module(module) if isinstance(module, str) else module
+    by_graph: dict[int, tuple[Graph, list[Match]]] = {}
+    for m, graph in _per_region(module, function or module.name):
+        entry = by_graph.setdefault(id(graph), (graph, []))
+        if m is not None:
+            entry[1].append(m)
+    return [miss for graph, found in by_graph.values()
+            for miss in near_misses(graph, found, function or module.name)]
 
 
 def detect_hlo(module: Module | str, function: str = "") -> list[AttentionSite]:
@@ -148,3 +169,8 @@ def detect_captured(functions: Iterable[_Captured]) -> list[AttentionSite]:
     for f in functions:
         sites.extend(detect_hlo(f.hlo(debug_info=True), f.name))
     return sites
+
+
+def near_misses_captured(functions: Iterable[_Captured]) -> list[NearMiss]:
+    """Near misses of every captured function, from its pre-optimization HLO."""
+    return [miss for f in functions for miss in near_misses_hlo(f.hlo(debug_info=True), f.name)]
