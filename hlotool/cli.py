@@ -26,7 +26,7 @@ import click
 from hlotool import __version__
 from hlotool.errors import (
     EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_INTERNAL, EXIT_INTERRUPTED, HlotoolError,
-    check_overwrite, write_output,
+    check_overwrite, first_line, write_output,
 )
 from hlotool.hardware import HARDWARE, get_hardware
 from hlotool.report.console import Term, printable, progress
@@ -81,7 +81,7 @@ def _fail_cleanly(command: Callable[..., None]) -> Callable[..., None]:
         except Exception as e:
             if debug:
                 traceback.print_exception(e)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            first = first_line(e)
             _error(f"internal error: {type(e).__name__}: {first} "
                    "(rerun with --debug for the traceback)")
             sys.exit(EXIT_INTERNAL)

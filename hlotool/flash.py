@@ -27,7 +27,7 @@ from jax._src import core
 
 from hlotool import kernels
 from hlotool.cost.decision import decide
-from hlotool.errors import HlotoolError
+from hlotool.errors import HlotoolError, first_line
 from hlotool.kernels.registry import PLATFORMS
 from hlotool.kernels.sharded import mesh_of, on_mesh
 from hlotool.passes import lower
@@ -233,7 +233,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]
     try:
         closed, shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
     except TypeError as err:
-        raise HlotoolError(f"cannot trace {name_of(fn)}: {err}".splitlines()[0]) from err
+        raise HlotoolError(f"cannot trace {name_of(fn)}: {first_line(err)}") from err
     out_tree = jax.tree.structure(shape)
     return closed, dyn, lambda outs: jax.tree.unflatten(out_tree, outs)
 

@@ -22,8 +22,9 @@ from jax._src import core, source_info_util
 from hlotool.errors import HlotoolError
 from hlotool.passes.attention import Layout, Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, user_source
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node
 from hlotool.site import AttentionSite
+from hlotool.source import user_source
 
 Path = tuple[tuple[int, str], ...]
 
