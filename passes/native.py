@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 # Instructions that only run other computations as whole programs (their bodies are scanned
 # as program levels of their own), unlike fusions and reducers.
-_CONTROL = frozenset({"while", "conditional", "call"})
+_LEVEL_CALLS = frozenset({"while", "conditional", "call"})
 # Instructions that only relabel a value (no work, no buffer of their own).
 _VIEWS = frozenset({"bitcast", "get-tuple-element", "tuple"})
 ONLINE_SOFTMAX = "online-softmax"
@@ -195,7 +195,7 @@ class _Program:
                 called_by[callee].append(inst)
         levels = [c for c in module.computations.values()
                   if c.is_entry or (called_by[c.name]
-                                    and all(i.opcode in _CONTROL for i in called_by[c.name]))]
+                                    and all(i.opcode in _LEVEL_CALLS for i in called_by[c.name]))]
         self.insts: list[tuple[str, Instruction]] = [(c.name, i) for c in levels for i in c]
         self.index = {(c, i.name): n for n, (c, i) in enumerate(self.insts)}
         self.operands: list[list[int]] = [
@@ -219,7 +219,7 @@ class _Program:
 
     def _keys(self, inst: Instruction) -> set[_Key]:
         keys = {k for k in [_key(inst)] if k is not None}
-        if inst.opcode in _CONTROL:
+        if inst.opcode in _LEVEL_CALLS:
             return keys
         stack, seen = list(inst.called_computations), set()
         while stack:
