@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from hlotool.errors import HlotoolError
-from hlotool.passes import axes
+from hlotool.passes import axes, masks
 from hlotool.passes.logits import Logits, replay
 from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, fold, strip, uniform_value
 from hlotool.passes.pattern import Alt, Any, Chain, Const, Link, Op, Same, Step, Through
@@ -623,8 +623,14 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
         sign, fill = 1.0, uniform_value(fill_node)
         keep_when = link.chain_input == 1
     shape = _broadcast_shape(operand, len(node.shape))
-    value = fold(operand)
     kind = "additive" if link.kind == "bias" else "boolean"
+    structural = _structural_causal(operand, node, labels, roles, link.kind, sign, keep_when)
+    if structural is not None:  # read from iotas and compares: any length
+        if link.kind == "mask":
+            return MaskTerm("causal", node, None, shape, scores_layout, fill=fill)
+        return MaskTerm("causal", node, operand, shape, scores_layout, sign=sign,
+                        fill=structural, via="bias")
+    value = fold(operand)
     if value is not None and _is_causal(value, node, labels, roles, link.kind, sign, keep_when):
         if link.kind == "mask":
             return MaskTerm("causal", node, None, shape, scores_layout, fill=fill)
@@ -634,6 +640,23 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
                     keep_when=keep_when, key_lengths=_key_lengths(operand, keep_when, labels,
                                                                   roles, node),
                     via=link.kind)
+
+
+def _structural_causal(operand: Node, node: Node, labels: axes.Labels, roles: _Roles,
+                       kind: str, sign: float, keep_when: bool) -> float | None:
+    """For a causal mask read from its structure (`passes/masks.py`): the select's fill is
+    already known, so 0.0; for an additive one, the value it adds above the diagonal. None
+    when the structure does not show a top-left causal mask."""
+    qk = _qk_axes(labels, roles)
+    if qk is None or len(operand.shape) != len(node.shape) or any(
+            a not in (1, b) for a, b in zip(operand.shape, node.shape)):
+        return None
+    if kind == "mask":
+        return 0.0 if masks.causal_offset(operand, *qk, hides=not keep_when) == 0 else None
+    found = masks.causal_bias(operand, *qk)
+    if found is None or found[0] != 0 or sign * found[1] > LARGE_NEGATIVE:
+        return None
+    return sign * found[1]
 
 
 def _broadcast_shape(operand: Node, rank: int) -> tuple[int, ...]:

@@ -152,6 +152,8 @@ def _fold(node: Node, memo: dict) -> np.ndarray | None:
         return np.broadcast_to(ar.reshape(view), node.shape)
     if not node.inputs:
         return None
+    if node.size > MAX_FOLD_ELEMENTS and op not in ("broadcast", "transpose", "reshape"):
+        return None  # refused before computing it, not after
     args = []
     for x in node.inputs:
         args.append(_fold_memo(x, memo))
