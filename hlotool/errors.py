@@ -29,6 +29,15 @@ class HlotoolError(Exception):
     exit_code = EXIT_BAD_INPUT
 
 
+def lookup(table, name, what: str, error: type[HlotoolError] = HlotoolError):
+    """`table[name]`, or `error` naming the valid names ("unknown target 'tpu-v9'; valid
+    targets: cpu, tpu-v5e, ...")."""
+    try:
+        return table[name]
+    except KeyError:
+        raise error(f"unknown {what} {name!r}; valid {what}s: {', '.join(table)}") from None
+
+
 def first_line(error: BaseException) -> str:
     """An exception as one line: its first non-blank line, or its type's name."""
     lines = [ln for ln in str(error).splitlines() if ln.strip()]

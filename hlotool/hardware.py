@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from hlotool.errors import HlotoolError
+from hlotool.errors import HlotoolError, lookup
 
 _TPU_INFO = "jax/_src/pallas/mosaic/tpu_info.py (jax 0.10.2)"
 _CLOUD_TPU = "cloud.google.com/tpu/docs/system-architecture-tpu-vm"
@@ -120,9 +120,5 @@ def get_hardware(name: str | Hardware) -> Hardware:
     """The `Hardware` called `name`; raises `UnknownHardwareError` listing the valid names."""
     if isinstance(name, Hardware):
         return name
-    try:
-        return HARDWARE[name]
-    except KeyError:
-        raise UnknownHardwareError(
-            f"unknown target {name!r}; valid targets: {', '.join(HARDWARE)}"
-        ) from None
+    # "target": what the user typed it as (`hlotool cost --target h100`).
+    return lookup(HARDWARE, name, "target", UnknownHardwareError)

@@ -74,12 +74,9 @@ class _Side:
         inst = {n: d["instruction"] for n, d in graph.nodes(data=True)}
         order = {n: i for i, n in enumerate(node_id(c.name, i.name)
                                             for c in module.computations.values() for i in c)}
-        callers: dict[str, list[str]] = collections.defaultdict(list)
-        for comp in module.computations.values():
-            for i in comp:
-                for callee in i.called_computations:
-                    callers[callee].append(node_id(comp.name, i.name))
-        side = cls(module, graph, inst, order, {}, {}, {}, set(), dict(callers))
+        callers = {callee: [node_id(c, i.name) for c, i in calls]
+                   for callee, calls in module.callers().items()}
+        side = cls(module, graph, inst, order, {}, {}, {}, set(), callers)
         side._fingerprint()
         return side
 

@@ -189,13 +189,10 @@ class _Program:
 
     def __init__(self, module: Module):
         self.module = module
-        called_by: dict[str, list[Instruction]] = collections.defaultdict(list)
-        for inst in module.instructions():
-            for callee in inst.called_computations:
-                called_by[callee].append(inst)
+        called_by = module.callers()
         levels = [c for c in module.computations.values()
-                  if c.is_entry or (called_by[c.name]
-                                    and all(i.opcode in _LEVEL_CALLS for i in called_by[c.name]))]
+                  if c.is_entry or (c.name in called_by and all(
+                      i.opcode in _LEVEL_CALLS for _, i in called_by[c.name]))]
         self.insts: list[tuple[str, Instruction]] = [(c.name, i) for c in levels for i in c]
         self.index = {(c, i.name): n for n, (c, i) in enumerate(self.insts)}
         self.operands: list[list[int]] = [

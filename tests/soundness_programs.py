@@ -118,7 +118,8 @@ def _fill(name: str, dtype) -> float:
 
 
 def _rounded(x: float, dtype) -> float:
-    return float(np.asarray(x, np.float64).astype(jnp.dtype(dtype)))
+    with np.errstate(over="ignore"):  # 1e6 is inf in float16, as in the program
+        return float(np.asarray(x, np.float64).astype(jnp.dtype(dtype)))
 
 
 def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray:

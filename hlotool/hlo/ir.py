@@ -328,6 +328,15 @@ class Module:
         for comp in self.computations.values():
             yield from comp.instructions
 
+    def callers(self) -> dict[str, list[tuple[str, Instruction]]]:
+        """Computation name → (computation, instruction) of every instruction calling it."""
+        out: dict[str, list[tuple[str, Instruction]]] = {}
+        for comp in self.computations.values():
+            for inst in comp:
+                for callee in inst.called_computations:
+                    out.setdefault(callee, []).append((comp.name, inst))
+        return out
+
     def inline_calls(self) -> Module:
         """This module with every `call` inlined (itself when it has none)."""
         if not any(i.opcode == "call" for i in self.instructions()):
