@@ -22,8 +22,8 @@ import warnings
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
-def _work(job: tuple[int, int]) -> list[tuple[list[str], str, str, str]]:
-    seed, count = job
+def _work(job: tuple[int, int, bool]) -> list[tuple[list[str], str, str, str]]:
+    seed, count, fast = job
     warnings.simplefilter("ignore")
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hypothesis_seed
@@ -38,7 +38,8 @@ def _work(job: tuple[int, int]) -> list[tuple[list[str], str, str, str]]:
     @given(soundness_programs.programs())
     def run(program):
         try:
-            outcome, detail = soundness_programs.check(program)
+            outcome, detail = soundness_programs.check(
+                program, compiler_options=soundness_programs.FAST_COMPILE if fast else None)
         except Exception as e:  # noqa: BLE001 - a crash is a finding, reported as wrong
             outcome, detail = "wrong", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append((program.features, outcome, detail, repr(program)))
@@ -54,11 +55,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="first worker's seed")
     parser.add_argument("--chunk", type=int, default=250,
                         help="programs per worker task (each task has its own seed)")
+    parser.add_argument("--fast-compile", action="store_true",
+                        help="compile both sides at XLA's optimization level 0, as CI does "
+                        "(about twice as fast)")
     args = parser.parse_args()
 
     tasks, left, seed = [], args.examples, args.seed
     while left > 0:
-        tasks.append((seed, min(args.chunk, left)))
+        tasks.append((seed, min(args.chunk, left), args.fast_compile))
         left -= args.chunk
         seed += 1
     start = time.perf_counter()
@@ -74,7 +78,7 @@ def main() -> int:
             per_feature[f][outcome] += 1
     width = max(len(f) for f in per_feature) if per_feature else 10
     print(f"{len(rows)} programs in {seconds:.0f} s ({args.jobs} job(s), seeds "
-          f"{args.seed}..{seed - 1})\n")
+          f"{args.seed}..{seed - 1}{', optimization level 0' if args.fast_compile else ''})\n")
     print(f"{'feature':<{width}}  {'wrong':>6}  {'native':>7}  {'rewritten':>9}")
     print(f"{'-' * width}  {'-' * 6}  {'-' * 7}  {'-' * 9}")
     for f in sorted(per_feature):
