@@ -145,9 +145,9 @@ def replacement(jaxpr: core.Jaxpr, site: JaxprSite, form: lower.KernelForm,
             if name is None:
                 return own(values)
             with jax.named_scope(name):
-                call, nan_rows = lower.operands(form, site, values)
+                call, after = lower.operands(form, site, values)
                 out = on_mesh(kernels.get(name).run, call, mesh)
-                return lower.restore(site, out, nan_rows)
+                return lower.restore(site, out, after)
         return run
 
     def run(values: Mapping[Any, jax.Array]) -> jax.Array:
@@ -159,7 +159,8 @@ def replacement(jaxpr: core.Jaxpr, site: JaxprSite, form: lower.KernelForm,
         at = {v: i for i, v in enumerate(inputs)}
         run.cache_key = (
             tuple(sorted(plan.items())), mesh, form.signature(),
-            tuple(at.get(m.var) for m, _ in form.biases), tuple(at.get(m.var) for m in form.masks),
+            tuple(at.get(m.var) for m, _ in form.biases),
+            tuple(at.get(m.var) for m in (*form.masks, *form.multipliers)),
             at[site.q.var], site.q.layout, at[site.k.var], site.k.layout, at[site.v.var],
             site.v.layout, site.out_layout, site.out.aval)
     run.scope = scope(index, site.site)

@@ -41,6 +41,9 @@ class AttentionSite:
     # The logit a hidden key has at the softmax: the mask's fill after every scale step that
     # follows it, in the program's dtypes (-inf: hidden outright). None without a mask.
     mask_fill: float | None = None
+    # Shape of a factor the probabilities are multiplied by, constant along the keys (a head
+    # mask), as broadcast against them; None without one (an all-ones head mask is none).
+    multiplier_shape: tuple[int, ...] | None = None
     # The program's own operand shapes and the layout they map from ("BLHD", "BHLD", "LHD", ...).
     q_shape: tuple[int, ...] = ()
     k_shape: tuple[int, ...] = ()
@@ -79,7 +82,7 @@ class AttentionSite:
     def to_json(self) -> dict[str, Any]:
         """The site as the versioned report's JSON object."""
         out = dataclasses.asdict(self)
-        for key in ("q_shape", "k_shape", "v_shape", "mask_shape"):
+        for key in ("q_shape", "k_shape", "v_shape", "mask_shape", "multiplier_shape"):
             if out[key] is not None:
                 out[key] = list(out[key])
         out["score_bytes"] = self.score_bytes

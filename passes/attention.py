@@ -65,8 +65,14 @@ SOFTMAX = Alt(
        commutative=True, name="probs"),
 )
 
-ATTENTION = Op("dot_general", Through(SOFTMAX, record="probs_path"), Any("v"),
-               commutative=True, name="out")
+# After the softmax: layout ops, and multiplications by values constant along the keys (a
+# head mask, `einsum("...hqk,h->...hqk", p, head_mask)` included: the front ends read a dot
+# that contracts nothing as the product it is). Such a factor commutes with the value dot,
+# so the kernel's output takes it; `describe` checks it does not vary along the keys.
+PROBS = Chain(SOFTMAX, Step("post", "mul", chain_at=(0, 1), sides=(Any(),)),
+              record="probs_path")
+
+ATTENTION = Op("dot_general", PROBS, Any("v"), commutative=True, name="out")
 
 
 # ----------------------------------------------------------------------------------------
@@ -131,6 +137,18 @@ class MaskTerm:
 
 
 @dataclasses.dataclass(frozen=True)
+class Multiplier:
+    """A factor of the probabilities that is constant along the keys (a head mask):
+    `softmax(s) * operand`, with `broadcast_to(operand, at.shape)` mapped to [B, Hq, Lq, 1]
+    by `scores_layout`."""
+
+    at: Node  # the mul node
+    operand: Node
+    shape: tuple[int, ...]  # operand as broadcast against the probabilities (1 where constant)
+    scores_layout: Layout
+
+
+@dataclasses.dataclass(frozen=True)
 class LogitStep:
     """One step from the scores to the softmax input, in program order.
 
@@ -160,6 +178,7 @@ class Match:
     masks: tuple[MaskTerm, ...]  # in the order the program applies them
     steps: tuple[LogitStep, ...]  # scores → softmax input, program order
     logits: Logits  # what those steps compute, in kernel terms (or why nothing)
+    multipliers: tuple[Multiplier, ...]  # factors of the probabilities, program order
     body: tuple[Node, ...]  # every node computing the site from q/k/v/masks to `out`
     internals: dict[str, Node]  # scores, logits, row_max, exp, row_sum, probs
     region: tuple = ()  # the matched graph's path (jaxpr body path, HLO computation name)
@@ -286,8 +305,9 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     (key_token,) = key_tokens
 
     # The second contraction is over that same key axis, and only over it.
-    probs_labels = _follow(m["probs_path"], logits_labels)
-    p_top = m["probs_path"][0] if m["probs_path"] else m["probs"]
+    probs_links = m["probs_path"]
+    probs_labels = _follow(probs_links, logits_labels)
+    p_top = probs_links[0].node if probs_links else m["probs"]
     p_at = 0 if out.inputs[0] is p_top else 1
     od = out.params
     p_batch, p_contract = ((od["lhs_batch"], od["lhs_contract"]) if p_at == 0
@@ -355,6 +375,25 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
             steps.append(LogitStep(link.kind, node.dtype, term=term))
         elif node.op in ("convert", "reduce_precision"):
             steps.append(LogitStep("cast", node.dtype))
+    multipliers = []
+    for at, link in reversed(list(enumerate(probs_links))):
+        if link.kind != "post":
+            continue
+        (factor,) = link.sides
+        if _depends_on(factor, scores, position):
+            raise _Reject("the probabilities are multiplied by a value computed from them")
+        constant = uniform_value(factor)
+        if constant == 1.0:
+            continue  # an all-ones head mask: the identity
+        if constant is not None:
+            raise _Reject("a scale after the softmax (the probabilities no longer sum to 1)")
+        labels_here = _follow(probs_links[at + 1:], logits_labels)
+        shape = _broadcast_shape(factor, len(link.node.shape))
+        if any(key_token in labels_here[a] and n != 1 for a, n in enumerate(shape)):
+            raise _Reject("the probabilities are multiplied by a tensor that varies along the "
+                          "keys (dropout, or a mask applied after the softmax)")
+        multipliers.append(Multiplier(link.node, factor, shape,
+                                      roles.layout(link.node.shape, labels_here, "BHLK")))
     has_scale = (q_scale != 1.0 or k_scale != 1.0
                  or any(link.kind == "scale" for link in logits_links))
     chain = replay(steps)
@@ -372,19 +411,21 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         v_head_dim=dv, dtype=q_entry.dtype, scale=scale if has_scale else None, mask=kind,
         mask_shape=reported.shape if reported is not None and kind != "causal" else None,
         mask_fill=chain.fill if chain.refusal is None and chain.masks else None,
+        multiplier_shape=multipliers[0].shape if multipliers else None,
         q_shape=q_entry.shape, k_shape=k_entry.shape, v_shape=v_entry.shape,
         layout=q_layout.roles, softmax_dtype=m["exp"].dtype, function=function,
         source=scores.source or out.source,
     )
     stops = {id(n) for n in (q_entry, k_entry, v_entry)}
-    stops |= {id(s) for link in logits_links for s in link.sides}
+    stops |= {id(s) for link in (*logits_links, *probs_links) for s in link.sides}
     return Match(
         site=site,
         q=Operand(q_entry, q_layout),
         k=Operand(k_entry, k_layout),
         v=Operand(v_entry, v_layout),
         out=out, out_layout=out_layout, scale=scale, masks=tuple(masks), steps=tuple(steps),
-        logits=chain, body=_body(out, stops), internals=internals,
+        logits=chain, multipliers=tuple(multipliers), body=_body(out, stops),
+        internals=internals,
     )
 
 
@@ -480,7 +521,7 @@ def _reshape_keeps_axes(node: Node, labels: axes.Labels, qside: str) -> bool:
     for ga, gb in groups or ():
         if len(ga) == 1 and len(gb) == 1:
             continue
-        tokens = frozenset().union(*(labels[j] for j in gb))
+        tokens = axes.without_parts(frozenset().union(*(labels[j] for j in gb)))
         if any(t[0] not in ("b", qside) for t in tokens):
             return False
         if sum(t[0] == qside for t in tokens) > 1:
@@ -492,7 +533,7 @@ def _head_repeat(node: Node, labels: axes.Labels, created: list[tuple[int, froze
                  head_token) -> str | None:
     """"repeat" for a broadcast that only repeats heads kv-head-major (`jnp.repeat`),
     "tile" when the copies come first (`jnp.tile`), None for any other broadcast."""
-    if any(lab and lab != {head_token} for _, lab in created):
+    if any(lab and axes.without_parts(lab) != {head_token} for _, lab in created):
         return None
     dims = node.params["dims"]
     kept = [d for i, d in enumerate(dims)
@@ -526,11 +567,16 @@ def _query_axes(entry: Node, labels: axes.Labels, qside: str):
         if len(tokens) != 1:
             raise _Reject("Q's head axis merges several batch axes of the dot")
         head_token = tokens[0]
-    parts: dict[tuple, list[tuple[str, int]]] = {}
+    found: dict[tuple, list[tuple[int, str, int]]] = {}
     for a in batch_axes:
         for t in labels[a]:
             if t[0] == "b":
-                parts.setdefault(t, []).append(("H" if a == head_axis else "B", entry.shape[a]))
+                piece = axes.part_of(labels[a], t)
+                found.setdefault(t, []).append((a if piece is None else piece,
+                                                "H" if a == head_axis else "B",
+                                                entry.shape[a]))
+    # Pieces of a split batch token in split order (outer first), whatever Q's axis order.
+    parts = {t: [(role, n) for _, role, n in sorted(pieces)] for t, pieces in found.items()}
     return qlen_token, head_token, parts
 
 
@@ -563,21 +609,23 @@ class _Roles:
                     raise _Reject(f"an axis of size {n} that no dot axis explains")
                 out.append((1, "1", ()))
                 continue
-            split = [t for t in lab if len(self.parts.get(t, ())) > 1]
+            base = axes.without_parts(lab)
+            split = [t for t in base if len(self.parts.get(t, ())) > 1]
             if split:
-                (t,) = split if len(split) == 1 and len(lab) == 1 else (None,)
+                (t,) = split if len(split) == 1 and len(base) == 1 else (None,)
                 if t is None:
                     raise _Reject("an axis merging Q's batch parts with other axes")
                 carriers = [b for b, other in enumerate(labels) if t in other]
                 parts = self.parts[t]
-                if len(carriers) == len(parts):
-                    role = parts[carriers.index(a)][0]
-                    out.append((n, role, (t, carriers.index(a))))
+                piece = axes.part_of(lab, t)
+                if len(carriers) == len(parts) and piece is not None and piece < len(parts):
+                    out.append((n, parts[piece][0], (t, piece)))
                 elif len(carriers) == 1 and n == int(np.prod([m for _, m in parts])):
                     out.extend((m, role, (t, i)) for i, (role, m) in enumerate(parts))
                 else:
                     raise _Reject("batch and heads are split differently from Q")
                 continue
+            lab = base
             found = {self.role(t) for t in lab}
             if found <= {"H", "G"}:
                 role = "H" if "H" in found else "G"

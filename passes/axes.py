@@ -6,6 +6,12 @@ its j-th contracting dim, ("l", a) / ("r", a) a free dim of its left / right ope
 ("dv", a) a free dim of V). Merging axes with a reshape unions their labels; unit axes carry
 none. This is how the softmax axis, the key axis and q/k/v layouts are identified whatever
 transposes, reshapes and broadcasts a program puts around its dots.
+
+An axis split in several (batch and heads merged as [B·H, L, D], split back as [B, H, ...])
+gives each piece the merged labels plus a part token `("part", token, i)`: piece i, outer
+first. Transposes carry it with its axis, so which piece is the batch and which the heads is
+known wherever they end up (both pieces carry the same token, and may have equal sizes).
+Merging the pieces back drops the part tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +20,36 @@ from hlotool.passes.graph import Node
 
 Labels = tuple[frozenset, ...]
 EMPTY: frozenset = frozenset()
+
+
+def is_part(token: tuple) -> bool:
+    return token[0] == "part"
+
+
+def without_parts(label: frozenset) -> frozenset:
+    return frozenset(t for t in label if not is_part(t))
+
+
+def part_of(label: frozenset, token: tuple) -> int | None:
+    """Which piece of `token` an axis is, when `token` was split over several axes."""
+    return next((t[2] for t in label if is_part(t) and t[1] == token), None)
+
+
+def _regroup(labels: list[frozenset], into: int) -> list[frozenset]:
+    """The labels of `into` axes made from the axes carrying `labels` (outer first): merged
+    into one (part tokens of a complete set of pieces dropped), or one axis split in pieces."""
+    merged = frozenset().union(*labels)
+    if into == 1:
+        parts = [t for t in merged if is_part(t)]
+        whole = {t[1] for t in parts}
+        if len(labels) > 1 and all(
+                {p[2] for p in parts if p[1] == t} == set(range(len(labels))) for t in whole):
+            merged = without_parts(merged)
+        return [merged]
+    if len(labels) != 1:
+        return [merged] * into
+    base = labels[0]
+    return [base | {("part", t, i) for t in base if not is_part(t)} for i in range(into)]
 
 
 def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]
@@ -56,9 +92,8 @@ def forward(node: Node, labels: Labels) -> Labels | None:
             return None
         out = [EMPTY] * len(node.shape)
         for ga, gb in groups:
-            merged = frozenset().union(*(labels[i] for i in ga))
-            for j in gb:
-                out[j] = merged
+            for j, label in zip(gb, _regroup([labels[i] for i in ga], len(gb))):
+                out[j] = label
         return tuple(out)
     if len(labels) != len(node.shape):
         return None
@@ -89,9 +124,8 @@ def backward(node: Node, labels: Labels) -> tuple[Labels, list[tuple[int, frozen
             return None
         out = [EMPTY] * len(src)
         for ga, gb in groups:
-            merged = frozenset().union(*(labels[j] for j in gb))
-            for i in ga:
-                out[i] = merged
+            for i, label in zip(ga, _regroup([labels[j] for j in gb], len(ga))):
+                out[i] = label
         return tuple(out), []
     if len(src) != len(node.shape):
         return None

@@ -16,7 +16,7 @@ import numpy as np
 from hlotool.hlo import Computation, Instruction, Module, as_module
 from hlotool.passes.attention import Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, uniform_value
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, as_product, uniform_value
 from hlotool.site import AttentionSite
 from hlotool.source import user_source
 
@@ -111,6 +111,10 @@ def _graph(comp: Computation, module: Module) -> Graph:
                     op = inst.opcode
             node = Node(op, inputs, dims, dtype, params, functools.partial(_source, inst),
                         inst.name)
+            product = as_product(node, inst.name) if op == "dot_general" else None
+            if product:
+                graph.nodes.extend(product[:-1])
+                node = product[-1]
         env[inst.name] = node
         graph.nodes.append(node)
     return graph

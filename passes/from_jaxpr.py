@@ -22,7 +22,7 @@ from jax._src import core, source_info_util
 from hlotool.errors import HlotoolError
 from hlotool.passes.attention import Layout, Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, as_product
 from hlotool.site import AttentionSite
 from hlotool.source import user_source
 
@@ -167,8 +167,10 @@ class _Builder:
                 node = Node(op, tuple(inputs), tuple(v.aval.shape), str(v.aval.dtype),
                             dict(params, index=i) if len(eqn.outvars) > 1 else params,
                             source, JaxprRef(path, index, v))
-                graph.nodes.append(node)
-                env[v] = node
+                product = as_product(node, JaxprRef(path, index, None)) if (
+                    op == "dot_general") else None
+                graph.nodes.extend(product or [node])
+                env[v] = product[-1] if product else node
 
     def _inline(self, eqn: core.JaxprEqn, index: int, inputs: list[Node], env: dict,
                 path: Path, graph: Graph) -> None:
@@ -261,6 +263,8 @@ class JaxprSite:
               `out_layout.from_canonical(y)` for y: [B, Lq, Hq, Dv].
     scale     what multiplies q·kᵀ (1.0 when unscaled).
     masks     every mask step, in kernel terms.
+    multipliers  factors of the probabilities constant along the keys (a head mask), as
+              operands brought to [B, Hq, Lq, 1] like a mask.
     intermediates  variables the site's equations define besides `out`; a rewrite that
               drops the equations must refuse if any of them is used elsewhere (`escaping`).
     A var is None where the value is not visible at the site's level.
@@ -276,6 +280,7 @@ class JaxprSite:
     out_layout: Layout
     scale: float
     masks: tuple[MaskVar, ...]
+    multipliers: tuple[MaskVar, ...]  # factors of the probabilities (kind "multiplier")
     intermediates: frozenset
     escaping: frozenset  # intermediates read by equations outside the site or returned
     match: Match = dataclasses.field(repr=False)
@@ -331,13 +336,16 @@ def _to_jaxpr_site(closed: core.ClosedJaxpr, match: Match,
         MaskVar(t.kind, *_visible(t.operand, level), t.at.shape, t.scores_layout, t.sign,
                 t.fill, t.keep_when, var(t.key_lengths))
         for t in match.masks)
+    multipliers = tuple(
+        MaskVar("multiplier", *_visible(t.operand, level), t.at.shape, t.scores_layout)
+        for t in match.multipliers)
     return JaxprSite(
         site=match.site, path=level, eqns=tuple(sorted(eqns)),
         q=OperandVar(var(match.q.node), match.q.layout),
         k=OperandVar(var(match.k.node), match.k.layout),
         v=OperandVar(var(match.v.node), match.v.layout),
         out=out, out_layout=match.out_layout, scale=match.scale,
-        masks=masks,
+        masks=masks, multipliers=multipliers,
         intermediates=frozenset(defined), escaping=frozenset(escaping),
         match=match,
     )

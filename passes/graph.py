@@ -76,6 +76,44 @@ class Graph:
         return (n for n in self.nodes if n.op == op)
 
 
+def as_product(dot: Node, inner_ref: Any = None) -> list[Node] | None:
+    """A dot_general that contracts nothing, as the elementwise product it is:
+    `einsum("...hqk,h->...hqk", p, head_mask)` is transpose(p) · broadcast(head_mask). Returns
+    the nodes to put in the graph instead (the last one stands for `dot` and keeps its ref;
+    the others get `inner_ref`), or None.
+
+    dot_general's output is its batch axes, then lhs's free axes, then rhs's; each side is
+    brought to that order and broadcast over the other's free axes.
+    """
+    p = dot.params
+    if p["lhs_contract"] or p["rhs_contract"]:
+        return None
+    lhs, rhs = dot.inputs
+    nb = len(p["lhs_batch"])
+    lfree = [a for a in range(len(lhs.shape)) if a not in p["lhs_batch"]]
+    rfree = [a for a in range(len(rhs.shape)) if a not in p["rhs_batch"]]
+    out_rank = nb + len(lfree) + len(rfree)
+    nodes: list[Node] = []
+
+    def side(x: Node, batch: tuple[int, ...], free: list[int], at: list[int]) -> Node:
+        perm = tuple(batch) + tuple(free)
+        if perm != tuple(range(len(x.shape))):
+            x = Node("transpose", (x,), tuple(x.shape[a] for a in perm), x.dtype,
+                     {"perm": perm}, dot.where, inner_ref)
+            nodes.append(x)
+        if len(x.shape) != out_rank:
+            x = Node("broadcast", (x,), dot.shape, x.dtype, {"dims": tuple(at)}, dot.where,
+                     inner_ref)
+            nodes.append(x)
+        return x
+
+    left = side(lhs, p["lhs_batch"], lfree, list(range(nb + len(lfree))))
+    right = side(rhs, p["rhs_batch"], rfree,
+                 list(range(nb)) + list(range(nb + len(lfree), out_rank)))
+    nodes.append(Node("mul", (left, right), dot.shape, dot.dtype, {}, dot.where, dot.ref))
+    return nodes
+
+
 def strip(node: Node, ops: Iterable[str] = ("convert", "copy", "stop_gradient")) -> Node:
     """The node under any chain of the given unary ops."""
     ops = frozenset(ops)

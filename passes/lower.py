@@ -1,9 +1,9 @@
 """A jaxpr site in kernel terms: the `hlotool.kernels.base.Call` that computes it.
 
     form = lower(site)                      # static: scale, causal, fill, which operands
-    call, nan_rows = operands(form, site, values)
+    call, after = operands(form, site, values)
     out = kernel(call)                      # [B, Lq, Hq, Dv]
-    y = restore(form, site, out, nan_rows)  # the site's output, as the program lays it out
+    y = restore(site, out, after)           # the site's output, as the program lays it out
 
 `lower` reads what the logits chain computes (`passes/logits.py`) and refuses, with the reason,
 a site no kernel call can reproduce. `operands` brings the values the site reads to canonical
@@ -13,7 +13,8 @@ smallest value the program broadcast it from (a [B, 1, 1, Lk] padding mask stays
 Rows whose every logit is -inf are NaN in the naive program (softmax of nothing); kernels
 return zeros there, so `restore` puts the NaN back: the rewritten program returns what
 `jax.jit` of the naive one returns. Gradients through such a row are finite where the naive
-program's are NaN.
+program's are NaN. Factors of the probabilities that are constant along the keys (a head
+mask) commute with the value dot: `restore` multiplies the kernel's output by them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class KernelForm:
 
     scale: C in `where(visible, C·q·kᵀ + bias, fill)`; causal: hide keys above the diagonal;
     fill: the logit of a hidden key; biases: (operand, multiplier), summed into the bias;
-    masks: boolean operands, ANDed into the mask; nan_rows: whether rows can be all -inf.
+    masks: boolean operands, ANDed into the mask; nan_rows: whether rows can be all -inf;
+    multipliers: factors of the output (operands brought to [B, Hq, Lq, 1]).
     """
 
     scale: float
@@ -48,6 +50,7 @@ class KernelForm:
     biases: tuple[tuple[MaskVar, float], ...]
     masks: tuple[MaskVar, ...]
     nan_rows: bool
+    multipliers: tuple[MaskVar, ...] = ()
 
     def signature(self) -> tuple:
         """Everything `operands` reads from the form, with operand variables left out: equal
@@ -58,7 +61,8 @@ class KernelForm:
                           for n in m.replay))
         return (self.scale, self.causal, self.fill, self.nan_rows,
                 tuple((var_free(m), mult) for m, mult in self.biases),
-                tuple(var_free(m) for m in self.masks))
+                tuple(var_free(m) for m in self.masks),
+                tuple(var_free(m) for m in self.multipliers))
 
 
 def lower(site: JaxprSite) -> KernelForm:
@@ -74,18 +78,28 @@ def lower(site: JaxprSite) -> KernelForm:
     by_node = {id(t.at): m for t, m in zip(site.match.masks, site.masks)}
     biases = tuple((by_node[id(t.at)], mult) for t, mult in chain.biases)
     masks = tuple(by_node[id(t.at)] for t in chain.masks if t.kind == "boolean")
-    for m in (*(b for b, _ in biases), *masks):
+    for m in (*(b for b, _ in biases), *masks, *site.multipliers):
         if m.var is None:
             raise RewriteError(f"the {m.kind} operand is computed inside a call the site only "
                                "partly covers")
     return KernelForm(scale=site.scale, causal=chain.causal, fill=chain.fill, biases=biases,
-                      masks=masks, nan_rows=bool(biases or masks) and chain.fill == -math.inf)
+                      masks=masks, nan_rows=bool(biases or masks) and chain.fill == -math.inf,
+                      multipliers=site.multipliers)
+
+
+@dataclasses.dataclass(frozen=True)
+class After:
+    """What `restore` applies to a kernel's output: the rows the naive program has NaN in
+    (bool [B|1, Hq|1, Lq, 1]) and the factors of the probabilities ([B|1, Hq|1, Lq|1, 1])."""
+
+    nan_rows: jax.Array | None = None
+    factors: tuple[jax.Array, ...] = ()
 
 
 def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array]
-             ) -> tuple[Call, jax.Array | None]:
-    """The kernel call for `site` given the values it reads, and (when `form.nan_rows`) the
-    bool [B|1, Hq|1, Lq, 1] rows whose every logit is -inf in the naive program."""
+             ) -> tuple[Call, After]:
+    """The kernel call for `site` given the values it reads, and what `restore` applies to
+    its output."""
     q = site.q.layout.to_canonical(values[site.q.var])
     k = site.k.layout.to_canonical(values[site.k.var]).astype(q.dtype)
     v = site.v.layout.to_canonical(values[site.v.var]).astype(q.dtype)
@@ -99,20 +113,23 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array]
         mask = x if mask is None else mask & x
     call = make_call(q, k, v, scale=form.scale, bias=bias, mask=mask, causal=form.causal,
                      fill=form.fill)
+    factors = tuple(scores_operand(m, values[m.var]) for m in form.multipliers)
     if not form.nan_rows:
-        return call, None
+        return call, After(factors=factors)
     live = visible_keys(call)
     if call.bias is not None:
         finite = call.bias > -jnp.inf
         live = finite if live is None else live & finite
-    return call, ~jnp.any(live, axis=-1, keepdims=True)
+    return call, After(~jnp.any(live, axis=-1, keepdims=True), factors)
 
 
-def restore(site: JaxprSite, out: jax.Array, nan_rows: jax.Array | None) -> jax.Array:
-    """A kernel's [B, Lq, Hq, Dv] output as the site's own value: NaN rows put back, the
-    program's layout and dtype."""
-    if nan_rows is not None:
-        out = jnp.where(jnp.swapaxes(nan_rows, 1, 2), jnp.nan, out)
+def restore(site: JaxprSite, out: jax.Array, after: After) -> jax.Array:
+    """A kernel's [B, Lq, Hq, Dv] output as the site's own value: the probabilities' factors
+    applied, NaN rows put back, the program's layout and dtype."""
+    for factor in after.factors:
+        out = out * jnp.swapaxes(factor, 1, 2).astype(out.dtype)
+    if after.nan_rows is not None:
+        out = jnp.where(jnp.swapaxes(after.nan_rows, 1, 2), jnp.nan, out)
     return site.out_layout.from_canonical(out).astype(site.out.aval.dtype)
 
 

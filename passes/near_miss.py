@@ -5,7 +5,7 @@ detected site. Like XLA's `explain_os`, each says why, in user terms:
 
     tanh between the scores and the softmax (logit soft-capping)
     a where(mask, p, 0) after the softmax
-    the probabilities are multiplied by a tensor after the softmax (a head mask or dropout)
+    dropout on the probabilities (multiplied by a random keep mask)
     the second dot does not contract the key axis the softmax runs over
 
 Scores side (exp's input down to the first dot): the pattern's vocabulary is layout ops,
@@ -116,7 +116,7 @@ def _probs_side(exp: Node, users: dict[int, list[Node]]) -> tuple[Node | None, s
         done.add(id(node))
         visited += 1
         for user in users[id(node)]:
-            if user.op == "dot_general" and not _products_only(user):
+            if user.op == "dot_general":
                 return user, blocker
             if user.op == "reduce_sum" and id(user) in sums:
                 continue  # the normalizer's own branch
@@ -125,12 +125,6 @@ def _probs_side(exp: Node, users: dict[int, list[Node]]) -> tuple[Node | None, s
                 here = _probs_blocker(user, node)
             queue.append((user, here))
     return None, None
-
-
-def _products_only(dot: Node) -> bool:
-    """A dot_general that contracts nothing: an elementwise product written as an einsum
-    (`einsum("...hqk,h->...hqk", p, head_mask)`)."""
-    return not dot.params["lhs_contract"] and not dot.params["rhs_contract"]
 
 
 def _derives_from(node: Node, ids: set[int], depth: int = 6) -> bool:
@@ -155,9 +149,6 @@ def _normalizes(user: Node, prev: Node, sums: set[int], users) -> bool:
 
 
 def _probs_blocker(user: Node, prev: Node) -> str:
-    if user.op == "dot_general":
-        return ("the probabilities are multiplied by a tensor in an einsum that contracts "
-                "nothing (a per-head multiplier: a head mask?)")
     if user.op == "select":
         zero = any(uniform_value(i) == 0.0 for i in user.inputs[1:] if i is not prev)
         return ("a where(mask, p, 0) after the softmax" if zero

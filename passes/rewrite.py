@@ -53,7 +53,7 @@ def free_inputs(jaxpr: core.Jaxpr, site: JaxprSite) -> list[Any]:
             seen.add(v)
             out.append(v)
         defined.update(jaxpr.eqns[i].outvars)
-    for m in site.masks:
+    for m in (*site.masks, *site.multipliers):
         for v in (m.var, m.key_lengths):
             if v is not None and v not in seen and v not in defined:
                 seen.add(v)
@@ -86,10 +86,10 @@ def check(jaxpr: core.Jaxpr, site: JaxprSite) -> None:
     for name, operand in (("q", site.q), ("k", site.k), ("v", site.v)):
         if operand.var is None:
             raise RewriteError(f"{name} is computed inside a call the site only partly covers")
-    for m in site.masks:
+    for m in (*site.masks, *site.multipliers):
         if m.kind != "causal" and m.var is None:
-            raise RewriteError(f"the {m.kind} mask operand is computed inside a call the site "
-                               "only partly covers")
+            raise RewriteError(f"the {m.kind} operand is computed inside a call the site only "
+                               "partly covers")
     if site.out is None:
         raise RewriteError("the attention output is not visible at the site's level")
     for i in site.eqns:

@@ -7,6 +7,7 @@ fill -inf / finfo.min / -1e9 / -1e4 / -5; causal top-left or bottom-right, slidi
 random boolean, key padding from lengths, rows with no visible key), additive biases of every
 broadcast shape (some with -inf / finfo.min entries) and additive causal constants; in f32,
 bf16 or f16, BLHD / BHLD / merged-heads layouts, GQA by repeat, Lq = 1 and Lk = 1 included.
+Head masks (`einsum("...hqk,h->...hqk", p, m)`, all ones or data) multiply the probabilities.
 Look-alikes (softmax over the query axis, `softmax(where=)`, a multiplicative mask, a scale
 after the softmax, a squared softmax) are not attention and must come back untouched.
 
@@ -79,6 +80,7 @@ class Program:
     steps: tuple[Step, ...]
     manual_softmax: bool = False
     lookalike: str = ""
+    head_mask: str = ""  # "" | "ones" (a constant) | "data" (an argument): einsum(p, m[h])
     seed: int = 0
 
     @property
@@ -93,6 +95,8 @@ class Program:
             out.append("lk=1")
         if self.lookalike:
             out.append(f"lookalike:{self.lookalike}")
+        if self.head_mask:
+            out.append(f"head_mask:{self.head_mask}")
         for s in self.steps:
             if s.kind == "scale":
                 out.append("scale")
@@ -184,6 +188,9 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                 bias = np.where(rng.random(bias.shape) < 0.2, _fill(step.extreme, dt), bias)
             extra.append(("bias", at, len(args)))
             args.append(jnp.asarray(jnp.asarray(bias, dt), ct))
+    if p.head_mask == "data":
+        extra.append(("head_mask", -1, len(args)))
+        args.append(jnp.asarray(jnp.asarray(rng.random(p.hq) + 0.5, dt), ct))
     operand = {at: i for _, at, i in extra}
     group = p.hq // p.hkv
 
@@ -222,6 +229,9 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             w = e / jnp.sum(e, axis=-1, keepdims=True)
         else:
             w = jax.nn.softmax(s, axis=-1)
+        if p.head_mask:
+            m = ops[operand[-1] - 3] if p.head_mask == "data" else jnp.ones(p.hq, w.dtype)
+            w = jnp.einsum("...hqk,h->...hqk", w, m)
         if p.lookalike == "scale_after_softmax":
             w = w * 2.0
         elif p.lookalike == "squared_softmax":
@@ -232,7 +242,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             return out.reshape(p.b, p.hq, p.lq, p.d).transpose(0, 2, 1, 3)
         return jnp.einsum("bhqk,bkhd->bqhd", w, v)
 
-    diff = tuple([0, 1, 2] + [i for kind, _, i in extra if kind == "bias"])
+    diff = tuple([0, 1, 2] + [i for kind, _, i in extra if kind in ("bias", "head_mask")])
     return attention, tuple(args), diff
 
 
@@ -274,6 +284,7 @@ def programs(draw) -> Program:
         d=draw(st.sampled_from((8, 16))), steps=tuple(steps),
         manual_softmax=draw(st.booleans()),
         lookalike=draw(st.sampled_from(("",) * 8 + LOOKALIKES)),
+        head_mask=draw(st.sampled_from(("",) * 6 + ("ones", "data"))),
         seed=draw(st.integers(0, 2**16)),
     )
 

@@ -42,8 +42,8 @@ def recompute(site, env):
     """The site's output from its record alone, as a kernel computes it: lowered to a kernel
     call (`passes.lower`) and run by the reference kernel."""
     form = lower(site)
-    call, nan_rows = operands(form, site, env)
-    return restore(site, Reference().run(call), nan_rows)
+    call, after = operands(form, site, env)
+    return restore(site, Reference().run(call), after)
 
 
 def masked(q, k, v, mask, bias):

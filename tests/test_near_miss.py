@@ -70,8 +70,6 @@ CASES = [
     (soft_capped, "tanh between the scores and the softmax (logit soft-capping)"),
     (sinks, "a concatenate between the scores and the softmax (an extra logit column: "
             "attention sinks?)"),
-    (head_mask, "the probabilities are multiplied by a tensor in an einsum that contracts "
-                "nothing (a per-head multiplier: a head mask?)"),
     (softmax_over_queries, "the second dot does not contract the key axis the softmax runs "
                            "over"),
     (scaled_probabilities, "a scale after the softmax (the probabilities no longer sum to 1)"),
@@ -99,6 +97,13 @@ def test_dropout_is_named_from_its_random_bits_in_the_jaxpr():
     # In HLO the random bits are plain integer arithmetic: the reason is the general one.
     (miss,) = near_misses_hlo(jax.jit(dropout).lower(Q, Q, Q, MASK).as_text(dialect="hlo"))
     assert miss.reason.startswith("the probabilities are multiplied by a tensor")
+
+
+def test_a_head_mask_is_no_near_miss_but_a_site():
+    closed = jax.make_jaxpr(head_mask)(Q, Q, Q, MASK)
+    (site,) = detect_jaxpr(closed)
+    assert site.site.multiplier_shape is None  # all ones: the identity
+    assert near_misses_jaxpr(closed) == []
 
 
 def test_attention_and_unrelated_exps_are_no_near_misses():

@@ -152,6 +152,51 @@ def test_additive_causal_constant_hides_keys_only_when_it_ends_minus_inf():
     assert_same(soft, Q, K, V)
 
 
+# ---------------------------------------------------------------------- head masks
+
+
+def head_masked(q, k, v, m):
+    """Hugging Face Flax BERT's form: einsum("...hqk,h->...hqk", probs, head_mask)."""
+    p = jnp.einsum("...hqk,h->...hqk", jax.nn.softmax(scores(q, k) * 0.25), m)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def test_a_head_mask_is_the_identity_when_all_ones_and_a_factor_of_the_output_otherwise():
+    ones = jnp.ones(H)
+    (site,) = hlotool.explain(head_masked, Q, K, V, ones).sites
+    assert site.site.multiplier_shape == (H, 1, 1, 1)  # an argument: not known to be ones
+    assert_same(head_masked, Q, K, V, jnp.asarray([0.5, 0.0]), argnums=(0, 1, 2, 3))
+
+    def constant_ones(q, k, v):
+        return head_masked(q, k, v, jnp.ones(H))
+
+    (site,) = hlotool.explain(constant_ones, Q, K, V).sites
+    assert site.site.multiplier_shape is None
+    assert_same(constant_ones, Q, K, V)
+
+
+def test_merged_batch_and_heads_of_equal_size_keep_their_order_through_a_transpose():
+    """[B·H, L, D] scores split back to [B, H, L, L], then a head mask einsum puts H first:
+    with B == H only the split order tells which axis is which (the fuzz found this)."""
+    q, k, v = arr(2, 16, 2, 8), arr(2, 16, 2, 8), arr(2, 16, 2, 8)
+
+    def merged(q, k, v, m):
+        qm, km, vm = (x.transpose(0, 2, 1, 3).reshape(4, 16, 8) for x in (q, k, v))
+        s = jnp.einsum("nqd,nkd->nqk", qm, km).reshape(2, 2, 16, 16) * 0.5
+        p = jnp.einsum("...hqk,h->...hqk", jax.nn.softmax(s), m).reshape(4, 16, 16)
+        return jnp.einsum("nqk,nkd->nqd", p, vm).reshape(2, 2, 16, 8)
+
+    assert_same(merged, q, k, v, jnp.asarray([1.4, 0.6]), argnums=(0, 1, 2, 3))
+
+
+def test_a_factor_that_varies_along_the_keys_is_refused():
+    def dropout_like(q, k, v, keep):
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores(q, k)) * keep, v)
+
+    keep = jnp.asarray(rng.random((B, H, L, L)) > 0.1, jnp.float32)
+    assert hlotool.explain(dropout_like, Q, K, V, keep).sites == ()
+
+
 # ---------------------------------------------------------------------- fully masked rows
 
 
@@ -319,8 +364,8 @@ def test_validate_fails_one_site_for_one_signature_only(monkeypatch):
 
     real = lower.restore
 
-    def wrong_for_long(site, out, nan_rows):
-        y = real(site, out, nan_rows)
+    def wrong_for_long(site, out, after):
+        y = real(site, out, after)
         return y * 1.01 if 1024 in y.shape else y
 
     monkeypatch.setattr(lower, "restore", wrong_for_long)
