@@ -25,9 +25,8 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core, xla_bridge
 
-from hlotool import kernels
+from hlotool import jaxcompat, kernels
 from hlotool.cost.decision import verdict
 from hlotool.errors import HlotoolError
 from hlotool.hardware import get_hardware
@@ -65,7 +64,7 @@ class Choice:
 def running_platform() -> str:
     """The platform jax executes on in this process, as `lax.platform_dependent` names it
     ("cpu", "tpu", "cuda", "rocm", ...)."""
-    return xla_bridge.canonicalize_platform(jax.default_backend())
+    return jaxcompat.canonicalize_platform(jax.default_backend())
 
 
 @functools.cache
@@ -154,7 +153,7 @@ class Report:
 # One site: blockers, operands in kernel terms, the replacement
 
 
-def _where(closed: core.ClosedJaxpr, site: JaxprSite) -> str:
+def _where(closed: jaxcompat.ClosedJaxpr, site: JaxprSite) -> str:
     """Where a site sits: "top level", or the enclosing equations, e.g. "scan.jaxpr"."""
     steps = []
     for depth, (index, param) in enumerate(site.path):
@@ -197,7 +196,7 @@ def _bias_scales(site: JaxprSite) -> dict[int, float]:
     raise RewriteError("the order of the scale and bias steps could not be followed")
 
 
-def blocker(jaxpr: core.Jaxpr, site: JaxprSite) -> str | None:
+def blocker(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> str | None:
     """Why `site` must stay native on every platform, or None if a kernel can take it."""
     try:
         check(jaxpr, site)
@@ -278,7 +277,7 @@ class _Operands:
     empty_value: jax.Array | None  # what the naive program gives there, [B, 1|Lq, Hq, Dv]
 
 
-def _operands(jaxpr: core.Jaxpr, site: JaxprSite, values: Mapping[Any, jax.Array]
+def _operands(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, values: Mapping[Any, jax.Array]
               ) -> _Operands:
     q = site.q.layout.to_canonical(values[site.q.var])
     k = site.k.layout.to_canonical(values[site.k.var]).astype(q.dtype)
@@ -368,7 +367,7 @@ def mesh_of(leaves: Sequence[Any], in_shardings: Any = None) -> Any:
     named = jax.sharding.NamedSharding
     found = [getattr(getattr(x, "aval", None), "sharding", None) for x in leaves]
     found += [x.sharding for x in leaves if isinstance(x, jax.Array)
-              and not isinstance(x, core.Tracer)]
+              and not isinstance(x, jaxcompat.Tracer)]
     found += jax.tree.leaves(in_shardings, is_leaf=lambda x: isinstance(x, named))
     for s in found:
         if isinstance(s, named) and not s.mesh.empty and s.mesh.size > 1:
@@ -377,7 +376,7 @@ def mesh_of(leaves: Sequence[Any], in_shardings: Any = None) -> Any:
     return None if context.empty or context.size == 1 else context
 
 
-def replacement(jaxpr: core.Jaxpr, site: JaxprSite, plan: Mapping[str, str | None],
+def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, plan: Mapping[str, str | None],
                 mesh: Any = None) -> Replacement:
     """The function computing `site.out` under `plan` (platform → kernel name or None)."""
     inputs = free_inputs(jaxpr, site)
@@ -433,7 +432,7 @@ def site_key(site: JaxprSite) -> tuple:
     return (site.path, site.eqns)
 
 
-def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
+def plan_program(closed: jaxcompat.ClosedJaxpr, function: str, kernel: str = "auto",
                  disabled: Mapping[tuple, str] | None = None,
                  mesh: Any = None,
                  ) -> tuple[Report, list[tuple[JaxprSite, Replacement]]]:
@@ -456,12 +455,12 @@ def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
 
 
 def _is_dynamic(leaf: Any) -> bool:
-    return isinstance(leaf, (core.Tracer, jax.Array, np.ndarray, np.generic,
+    return isinstance(leaf, (jaxcompat.Tracer, jax.Array, np.ndarray, np.generic,
                              jax.ShapeDtypeStruct))
 
 
 def trace(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]
-          ) -> tuple[core.ClosedJaxpr, list[Any], Callable[[list[Any]], Any]]:
+          ) -> tuple[jaxcompat.ClosedJaxpr, list[Any], Callable[[list[Any]], Any]]:
     """`fn(*args, **kwargs)` as a ClosedJaxpr over its array leaves (other leaves are closed
     over as static), those leaves, and how to rebuild the output pytree from flat outputs."""
     leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
@@ -504,7 +503,7 @@ class _Rewritten:
                                                  self.disabled,
                                                  mesh_of(dyn, self.in_shardings))
         closed = rewrite(closed, replacements)
-        return unflatten(core.eval_jaxpr(closed.jaxpr, closed.consts, *dyn))
+        return unflatten(jaxcompat.eval_jaxpr(closed.jaxpr, closed.consts, *dyn))
 
 
 def explain(fn: Callable, *args: Any, kernel: str = "auto", **kwargs: Any) -> Report:
@@ -526,6 +525,10 @@ def flash_jit(fn: Callable, *, kernel: str = "auto", validate: bool = False,
     back to native, with a warning naming the site and the error, where they differ.
     Returns a `jax.jit`-wrapped function (`.lower`, `.trace`, `jax.export` work).
     """
+    unavailable = jaxcompat.missing("flash_jit")
+    if unavailable is not None:
+        warnings.warn(f"{unavailable}; flash_jit returns plain jax.jit", stacklevel=2)
+        return jax.jit(fn, **jit_kwargs)
     rewritten = _Rewritten(fn, kernel, jit_kwargs.get("in_shardings"))
     jitted = jax.jit(rewritten, **jit_kwargs)
     if not validate:
@@ -634,9 +637,7 @@ def rewrite_captured(function: Any, kernel: str = "auto") -> tuple[Report, Any]:
     """A function `hlotool.capture` recorded, rewritten: its report, and a copy of the
     `CapturedFunction` whose program (every stage: jaxpr, StableHLO, HLO, optimized) is the
     rewritten one."""
-    from jax.extend.core import jaxpr_as_fun
-
-    rewritten = _Rewritten(jaxpr_as_fun(function.closed_jaxpr), kernel)
+    rewritten = _Rewritten(jaxcompat.jaxpr_as_fun(function.closed_jaxpr), kernel)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
             for a in function.in_avals]
     closed = jax.make_jaxpr(rewritten)(*args)
