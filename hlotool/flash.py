@@ -594,8 +594,16 @@ class _Validated:
         self._validated = False
         functools.update_wrapper(self, fn)
 
-    def __getattr__(self, name: str) -> Any:  # .lower, .trace, .eval_shape, ...
+    def __getattr__(self, name: str) -> Any:  # .eval_shape, ...
         return getattr(self._jitted, name)
+
+    # Spelled out: jax.export takes only a `jax.stages.Wrapped`, a runtime protocol that
+    # Python >= 3.12 checks without calling __getattr__.
+    def trace(self, *args, **kwargs):
+        return self._jitted.trace(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._jitted.lower(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         if not self._validated:
