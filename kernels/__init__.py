@@ -2,8 +2,9 @@
 
 Registry: `get(name)`, `names()`, `available()`, `select(site, platform)`; dispatcher:
 `attention(q, k, v, ..., kernel="auto")`, one traced program that lowers to the preferred kernel
-of each platform (TPU → pallas_tpu, CUDA → pallas_gpu, anything else → chunked), falling back
-down `PRIORITY` when a kernel is unavailable or refuses the shapes.
+of each platform (TPU → tokamax_tpu where tokamax is installed, else pallas_tpu; CUDA →
+pallas_gpu; anything else → chunked), falling back down `PRIORITY` when a kernel is unavailable
+or refuses the shapes.
 """
 
 from hlotool.kernels.base import (
