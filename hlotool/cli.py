@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hlotool import __version__
+from hlotool.doctor import doctor
 from hlotool.errors import HlotoolError, write_output
 from hlotool.hardware import HARDWARE, get_hardware
 from hlotool.report.table import format_table
@@ -518,6 +519,9 @@ def cost(script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as
     path, functions = _capture(script, script_args)
     click.echo(cost_report(path, functions, targets, as_json=as_json, backward=backward,
                            with_xla=not no_xla, measure=measure, plot_path=plot_path))
+
+
+cli.add_command(doctor)
 
 
 def main() -> None:
