@@ -12,10 +12,14 @@ import dataclasses
 import importlib
 import importlib.metadata
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
+import jax
+import jax.numpy as jnp
+
 from hlotool.jaxcompat import signature_problem
-from hlotool.kernels.base import AttentionKernel
+from hlotool.kernels.base import AttentionKernel, Call, row_has_key, zero_invalid_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +82,12 @@ class UpstreamKernel(AttentionKernel):
     def deprecated(self) -> str | None:
         """Upstream's deprecation notice for what this adapter wraps, if it gave one."""
         return self._probe.deprecated
+
+
+def empty_rows_zeroed(call: Call, attend: Callable[[Call], jax.Array]) -> jax.Array:
+    """`attend(call)` for an upstream kernel that must not see the NaN a caller may leave
+    beyond kv_lengths, and that averages (rather than zeroes) a query row with no visible
+    key: keys beyond the lengths become 0 before, such rows 0 after."""
+    has_key = row_has_key(call)
+    out = attend(zero_invalid_keys(call))
+    return out if has_key is None else jnp.where(jnp.swapaxes(has_key, 1, 2), out, 0)

@@ -34,16 +34,14 @@ from jax.experimental import pallas as pl
 
 from hlotool import jaxcompat
 from hlotool.kernels._costed import with_backward_costs
-from hlotool.kernels._upstream import UpstreamKernel, probe
+from hlotool.kernels._upstream import UpstreamKernel, empty_rows_zeroed, probe
 from hlotool.kernels.base import (
     Call,
     Features,
     KernelCost,
     Support,
     flash_cost,
-    row_has_key,
     visible_fraction,
-    zero_invalid_keys,
 )
 from hlotool.site import AttentionSite
 
@@ -114,9 +112,10 @@ class PallasTpuFlash(UpstreamKernel):
         return cost
 
     def _attend(self, call: Call) -> jax.Array:
+        return empty_rows_zeroed(call, self._attend_upstream)
+
+    def _attend_upstream(self, call: Call) -> jax.Array:
         fa = self._probe.module
-        has_key = row_has_key(call)
-        call = zero_invalid_keys(call)
         b, lq, hq, d = call.q.shape
         lk, hkv, dv = call.k.shape[1], call.k.shape[2], call.v.shape[3]
         lq_p, lk_p, d_p = padded_length(lq), padded_length(lk), padded_head_dim(d, dv)
@@ -167,6 +166,4 @@ class PallasTpuFlash(UpstreamKernel):
 
         out = jaxcompat.for_tpu(pallas_tpu_flash)(q, k, v, ab, segment_ids)
         out = jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)  # [B, Lq, Hq, Dv]
-        if has_key is not None:
-            out = jnp.where(jnp.swapaxes(has_key, 1, 2), out, 0)
         return out

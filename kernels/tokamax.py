@@ -38,15 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlotool import jaxcompat
-from hlotool.kernels._upstream import Upstream, UpstreamKernel, probe
+from hlotool.kernels._upstream import Upstream, UpstreamKernel, empty_rows_zeroed, probe
 from hlotool.kernels.base import (
     Call,
     Features,
     KernelCost,
     Support,
     flash_cost,
-    row_has_key,
-    zero_invalid_keys,
 )
 from hlotool.kernels.pallas_tpu import padded_length
 from hlotool.site import AttentionSite
@@ -109,9 +107,10 @@ class Tokamax(UpstreamKernel):
         return cost
 
     def _attend(self, call: Call) -> jax.Array:
+        return empty_rows_zeroed(call, self._attend_upstream)
+
+    def _attend_upstream(self, call: Call) -> jax.Array:
         tokamax = self._probe.module
-        has_key = row_has_key(call)
-        call = zero_invalid_keys(call)
         b, lq, hq, _ = call.q.shape
         lk = call.k.shape[1]
         lq_p, lk_p = padded_length(lq), padded_length(lk)
@@ -152,8 +151,6 @@ class Tokamax(UpstreamKernel):
         if per_head:
             out = jnp.swapaxes(out[:, :, :, 0], 1, 2)
         out = out[:, :lq]
-        if has_key is not None:
-            out = jnp.where(jnp.swapaxes(has_key, 1, 2), out, 0)
         return out
 
 
