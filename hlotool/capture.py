@@ -1,11 +1,9 @@
 """Capture every function jax compiles while a script or a function runs.
 
-In jax 0.10 every jit compilation — `jit(f)(x)`, `jit(f).lower(x)`, the jits flax, haiku
-or equinox create internally — lowers through one call:
-``jax._src.interpreters.pxla.lower_sharding_computation(closed_jaxpr, api_name, fun_name, ...)``.
-`_compile_hook` patches that one private attribute for the duration of a capture; it is the
-only place hlotool touches jax internals, and importing this module checks that the
-attribute still exists with the parameters the hook relies on.
+Every jit compilation — `jit(f)(x)`, `jit(f).lower(x)`, the jits flax, haiku or equinox
+create internally — lowers through one private jax function; `_compile_hook` wraps it for the
+duration of a capture through `hlotool.jaxcompat.lowering_hook`, the seam that checks at
+import that it still exists with the parameters the hook relies on.
 
 Each capture keeps the function's `ClosedJaxpr`; every later stage (StableHLO, HLO with
 source locations, optimized HLO per target) is regenerated from it by jitting
@@ -21,7 +19,6 @@ import dataclasses
 import fnmatch
 import functools
 import importlib.util
-import inspect
 import os
 import runpy
 import sys
@@ -31,12 +28,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
-from jax._src import source_info_util
-from jax._src.interpreters import pxla
+from jaxlib.mlir import ir
 
+from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
 from hlotool.hlo import parse_module
+from hlotool.jaxcompat import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 from hlotool.targets import Target, get_target
 
 STAGES: tuple[str, ...] = ("jaxpr", "stablehlo", "hlo", "optimized")
@@ -44,10 +41,6 @@ STAGES: tuple[str, ...] = ("jaxpr", "stablehlo", "hlo", "optimized")
 # Functions whose source lives inside jax itself are eager dispatch (`jnp.ones(...)`,
 # `x + 1` outside jit), not the user's programs.
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
-
-_HOOK_PARAMS = ("closed_jaxpr", "api_name", "fun_name", "in_shardings", "out_shardings",
-                "in_layouts", "out_layouts", "donated_invars")
-
 
 class ScriptError(HlotoolError):
     """The user's script could not be run to completion."""
@@ -57,27 +50,6 @@ class NothingCapturedError(HlotoolError):
     """The script or function ran but jax compiled none of the user's functions."""
 
 
-def _check_hook() -> Callable[..., Any]:
-    """The private function `_compile_hook` wraps, after checking it still looks as expected."""
-    where = f"{pxla.__name__}.lower_sharding_computation"
-    target = getattr(pxla, "lower_sharding_computation", None)
-    if target is None:
-        raise HlotoolError(
-            f"jax {jax.__version__} has no {where}; hlotool's capture supports jax 0.10.2"
-        )
-    params = tuple(inspect.signature(target).parameters)[: len(_HOOK_PARAMS)]
-    if params != _HOOK_PARAMS:
-        raise HlotoolError(
-            f"jax {jax.__version__}: {where} takes {params}, expected {_HOOK_PARAMS} first; "
-            "hlotool's capture supports jax 0.10.2"
-        )
-    return target
-
-
-_LOWER = _check_hook()
-_SIGNATURE = inspect.signature(_LOWER)
-
-
 def _exclude_tool_frames() -> None:
     """Keep hlotool's, click's and its launchers' frames out of source locations.
 
@@ -85,16 +57,13 @@ def _exclude_tool_frames() -> None:
     non-library frame of the stack in the HLO stack-frame tables, which should show the
     user's code only. Cosmetic: without jax's exclusion list the tables merely keep them.
     """
-    register = getattr(source_info_util, "register_exclusion", None)
-    if register is None:
-        return
     paths = [os.path.dirname(__file__), sysconfig.get_path("scripts")]
     click = importlib.util.find_spec("click")  # found, not imported: capture needs no CLI
     if click is not None and click.origin:
         paths.append(os.path.dirname(click.origin))
     for path in paths:
-        register(os.path.abspath(path) + os.sep)
-    register("<frozen runpy>")  # `python -m hlotool`
+        jaxcompat.register_exclusion(os.path.abspath(path) + os.sep)
+    jaxcompat.register_exclusion("<frozen runpy>")  # `python -m hlotool`
 
 
 _exclude_tool_frames()
@@ -170,7 +139,8 @@ class CapturedFunction:
                              donate_argnums=donate)
             )
             try:
-                self._lowered[t.name] = jitted.trace(*args).lower()
+                with t.lowering():
+                    self._lowered[t.name] = jitted.trace(*args).lower()
             except Exception as e:
                 raise HlotoolError(
                     f"cannot lower {self.name} for {t.name}: {_first_line(e)}"
@@ -264,11 +234,9 @@ def _compile_hook() -> Iterator[list[_Record]]:
 
     def hook(closed_jaxpr: ClosedJaxpr, api_name: str, fun_name: str, *args, **kwargs):
         start = time.perf_counter()
-        computation = _LOWER(closed_jaxpr, api_name, fun_name, *args, **kwargs)
-        donated = _SIGNATURE.bind(closed_jaxpr, api_name, fun_name, *args,
-                                  **kwargs).arguments["donated_invars"]
-        record = _Record(fun_name, closed_jaxpr, time.perf_counter() - start,
-                         tuple(bool(d) for d in donated))
+        computation = lower(closed_jaxpr, api_name, fun_name, *args, **kwargs)
+        donated = jaxcompat.lowering_donated(closed_jaxpr, api_name, fun_name, *args, **kwargs)
+        record = _Record(fun_name, closed_jaxpr, time.perf_counter() - start, donated)
         records.append(record)
         compile_fn = computation.compile
 
@@ -283,11 +251,8 @@ def _compile_hook() -> Iterator[list[_Record]]:
 
     # Functions compiled before the capture would be served from jax's caches unseen.
     jax.clear_caches()
-    pxla.lower_sharding_computation = hook
-    try:
+    with jaxcompat.lowering_hook(hook) as lower:
         yield records
-    finally:
-        pxla.lower_sharding_computation = _LOWER
 
 
 def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
@@ -453,8 +418,6 @@ def _count_eqns(jaxpr: Jaxpr) -> int:
 
 def _count_mlir_ops(lowered: jax.stages.Lowered) -> int:
     """Operations in the lowered module, not counting module/function scaffolding."""
-    from jax._src.lib.mlir import ir
-
     module = lowered.compiler_ir("stablehlo")
     count = 0
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hlotool import __version__
+from hlotool.doctor import doctor
 from hlotool.errors import (
     EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_INTERNAL, EXIT_INTERRUPTED, HlotoolError,
     check_overwrite, first_line, write_output,
@@ -793,6 +794,9 @@ def cost(script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as
     _echo(cost_report(path, functions, targets, as_json=as_json, backward=backward,
                       with_xla=not no_xla, measure=measure, plot_path=plot_file,
                       plot_shown=plot_path, force=force, term=term), term)
+
+
+cli.add_command(doctor)
 
 
 def main() -> None:

@@ -23,9 +23,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax._src import core
 
-from hlotool import kernels
+from hlotool import jaxcompat, kernels
 from hlotool.cost.decision import decide
 from hlotool.errors import HlotoolError, first_line
 from hlotool.kernels.registry import PLATFORMS
@@ -98,7 +97,7 @@ def site_key(site: JaxprSite) -> tuple:
     return (site.path, site.eqns)
 
 
-def _form(jaxpr: core.Jaxpr, site: JaxprSite) -> lower.KernelForm:
+def _form(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> lower.KernelForm:
     """The site's kernel form; `RewriteError` when dropping its equations would change the
     program or no kernel call reproduces it."""
     check(jaxpr, site)
@@ -127,7 +126,7 @@ def scope(index: int, site: AttentionSite) -> str:
     return f"hlotool/site{index}:{where}"
 
 
-def replacement(jaxpr: core.Jaxpr, site: JaxprSite, form: lower.KernelForm,
+def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
                 plan: Mapping[str, str | None], mesh: Any = None, index: int = 0
                 ) -> Replacement:
     """The function computing `site.out` under `plan` (platform → kernel name or None).
@@ -171,7 +170,7 @@ def replacement(jaxpr: core.Jaxpr, site: JaxprSite, form: lower.KernelForm,
 # Whole programs
 
 
-def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
+def plan_program(closed: jaxcompat.ClosedJaxpr, function: str, kernel: str = "auto",
                  disabled: Mapping[tuple, str] | None = None, mesh: Any = None,
                  ) -> tuple[Report, list[tuple[JaxprSite, Replacement]]]:
     """Detect and decide every site of `closed`: the report and the replacements to apply."""
@@ -203,7 +202,7 @@ def plan_program(closed: core.ClosedJaxpr, function: str, kernel: str = "auto",
     return Report(function, tuple(reports)), replacements
 
 
-def symbolic_dims(closed: core.ClosedJaxpr) -> list[str]:
+def symbolic_dims(closed: jaxcompat.ClosedJaxpr) -> list[str]:
     """The symbolic dimensions (jax.export shape polymorphism) among the program's inputs."""
     names = []
     for aval in closed.in_avals:
@@ -214,12 +213,12 @@ def symbolic_dims(closed: core.ClosedJaxpr) -> list[str]:
 
 
 def _is_dynamic(leaf: Any) -> bool:
-    return isinstance(leaf, (core.Tracer, jax.Array, np.ndarray, np.generic,
+    return isinstance(leaf, (jaxcompat.Tracer, jax.Array, np.ndarray, np.generic,
                              jax.ShapeDtypeStruct))
 
 
 def trace(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]
-          ) -> tuple[core.ClosedJaxpr, list[Any], Callable[[list[Any]], Any]]:
+          ) -> tuple[jaxcompat.ClosedJaxpr, list[Any], Callable[[list[Any]], Any]]:
     """`fn(*args, **kwargs)` as a ClosedJaxpr over its array leaves (other leaves are closed
     over as static), those leaves, and how to rebuild the output pytree from flat outputs."""
     leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
@@ -270,7 +269,7 @@ class Rewritten:
         if self.report.note:
             warnings.warn(f"flash_jit: {self.report}", stacklevel=2)
         closed = rewrite(closed, replacements)
-        return unflatten(core.eval_jaxpr(closed.jaxpr, closed.consts, *dyn))
+        return unflatten(jaxcompat.eval_jaxpr(closed.jaxpr, closed.consts, *dyn))
 
 
 def explain(fn: Callable, *args: Any, kernel: str = "auto", **kwargs: Any) -> Report:
@@ -294,6 +293,10 @@ def flash_jit(fn: Callable, *, kernel: str = "auto", validate: bool = False,
     sites that differ (see `hlotool.validate`).
     Returns a `jax.jit`-wrapped function (`.lower`, `.trace`, `jax.export` work).
     """
+    unavailable = jaxcompat.missing("flash_jit")
+    if unavailable is not None:
+        warnings.warn(f"{unavailable}; flash_jit returns plain jax.jit", stacklevel=2)
+        return jax.jit(fn, **jit_kwargs)
     if validate:
         from hlotool.validate import Validated
 
@@ -305,9 +308,7 @@ def rewrite_captured(function: Any, kernel: str = "auto") -> tuple[Report, Any]:
     """A function `hlotool.capture` recorded, rewritten: its report, and a copy of the
     `CapturedFunction` whose program (every stage: jaxpr, StableHLO, HLO, optimized) is the
     rewritten one."""
-    from jax.extend.core import jaxpr_as_fun
-
-    rewritten = Rewritten(jaxpr_as_fun(function.closed_jaxpr), kernel)
+    rewritten = Rewritten(jaxcompat.jaxpr_as_fun(function.closed_jaxpr), kernel)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
             for a in function.in_avals]
     closed = jax.make_jaxpr(rewritten)(*args)

@@ -3,7 +3,9 @@
 A TPU target needs no TPU: `jax.experimental.topologies` describes a single-chip topology
 (``v5e:1x1`` …) from libtpu, and a program jitted with replicated `NamedSharding`s on a
 1-device mesh of that topology lowers and compiles to real TPU HLO on a CPU-only machine.
-Such a program can be inspected, priced and diffed, but not run.
+Such a program can be inspected, priced and diffed, but not run. libtpu is optional
+(``pip install "hlotool[tpu]"``): without it the host target works and a TPU target says
+how to get it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.util
 import os
 import tempfile
@@ -48,7 +51,26 @@ class Target:
         """
         if self.topology is None:
             return None
+        reason = libtpu_missing(self.name)
+        if reason is not None:
+            raise HlotoolError(reason)
         return _replicated_sharding(self.topology)
+
+    @contextlib.contextmanager
+    def lowering(self) -> Iterator[None]:
+        """Where programs for this target are lowered: for a TPU, with the topology's chip as
+        jax's default device. From jax 0.12 on, Pallas' Mosaic lowering asks which TPU it
+        lowers for (the context's abstract device, else the default device), and off a TPU
+        the answer would be this host's CPU ("Unsupported TPU device kind: cpu"). A context
+        mesh would not do for captured programs: their inner jits lower under the empty
+        mesh they were traced in. Nothing runs there: deviceless devices only compile."""
+        if self.topology is None:
+            yield
+            return
+        import jax
+
+        with jax.default_device(self.sharding().mesh.devices.flat[0]):
+            yield
 
 
 TARGETS: dict[str, Target] = {
@@ -77,7 +99,7 @@ def get_target(name: str | Target) -> Target:
 def default_jax_platforms() -> None:
     """Keep jax off the TPU probe when the user chose no platform and no TPU is attached.
 
-    With libtpu installed (hlotool depends on it for deviceless TPU compiles), jax probes
+    With libtpu installed (`hlotool[tpu]`, for deviceless TPU compiles), jax probes
     for a TPU at first use and libtpu prints a screenful of warnings about TPU environment
     variables; on a machine without TPU device files that probe can only fail. An NVIDIA
     GPU with jax's CUDA plugin stays available. Must run before jax initializes backends.
@@ -88,6 +110,17 @@ def default_jax_platforms() -> None:
         _installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13)
     )
     os.environ["JAX_PLATFORMS"] = "cuda,cpu" if cuda else "cpu"
+
+
+LIBTPU_HINT = 'pip install "hlotool[tpu]"'
+
+
+def libtpu_missing(target: str) -> str | None:
+    """Why `target` cannot compile deviceless here for want of libtpu (one line), or None."""
+    if _installed("libtpu"):
+        return None
+    return (f"target {target} compiles deviceless through libtpu, which is not installed: "
+            f"{LIBTPU_HINT}")
 
 
 def _installed(module: str) -> bool:
@@ -103,22 +136,25 @@ _TPU_DEVICE_FILES = ("/dev/accel0", "/dev/vfio/0")
 
 @functools.cache
 def _replicated_sharding(topology: str) -> jax.sharding.NamedSharding:
-    from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
+
+    from hlotool import jaxcompat
 
     # libtpu takes a machine-wide lockfile on load; a deviceless compile drives no chip, so
     # it may share libtpu with other processes (another hlotool, a test run).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     with _quiet_stderr() as noise:
         try:
-            topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
-            mesh = topologies.make_mesh(topo, (1,), ("x",))
-        except Exception as e:  # libtpu missing or refusing the topology: say which
+            topo = jaxcompat.get_topology_desc(topology_name=topology, platform="tpu")
+            mesh = jaxcompat.make_mesh(topo, (1,), ("x",))
+        except HlotoolError:
+            raise
+        except Exception as e:  # libtpu refusing the topology: say why
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             hint = _last_line(noise())
             raise HlotoolError(
                 f"cannot describe TPU topology {topology!r} for a deviceless compile "
-                f"(is libtpu installed?): {detail}" + (f" [{hint}]" if hint else "")
+                f"(libtpu {_version('libtpu')}): {detail}" + (f" [{hint}]" if hint else "")
             ) from e
     return NamedSharding(mesh, PartitionSpec())
 
@@ -138,6 +174,13 @@ def _quiet_stderr() -> Iterator[Callable[[], str]]:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _last_line(text: str) -> str:

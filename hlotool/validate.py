@@ -27,8 +27,8 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
 
+from hlotool import jaxcompat
 from hlotool.errors import first_line
 from hlotool.flash import Rewritten, name_of, plan_program, site_key, trace
 
@@ -114,7 +114,7 @@ def _concrete(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any,
 
     def stand_in(x):
         nonlocal generated
-        if not isinstance(x, jax.core.Tracer):
+        if not isinstance(x, jaxcompat.Tracer):
             return x
         generated = True
         dtype = np.dtype(x.dtype)
@@ -142,8 +142,16 @@ class Validated:
         self._jitted = jax.jit(self._rewritten, **jit_kwargs)
         functools.update_wrapper(self, fn)
 
-    def __getattr__(self, name: str) -> Any:  # .lower, .trace, .eval_shape, ...
+    def __getattr__(self, name: str) -> Any:  # .eval_shape, ...
         return getattr(self._jitted, name)
+
+    # Spelled out: jax.export takes only a `jax.stages.Wrapped`, a runtime protocol that
+    # Python >= 3.12 checks without calling __getattr__.
+    def trace(self, *args, **kwargs):
+        return self._jitted.trace(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._jitted.lower(*args, **kwargs)
 
     @property
     def report(self):
@@ -161,7 +169,7 @@ class Validated:
             # must be computed now rather than staged into the caller's program (and not
             # constant-folded into the traces being compared, as ensure_compile_time_eval
             # would).
-            with core.eval_context():
+            with jaxcompat.eval_context():
                 self.verdicts[key], self.notes[key] = self._validate(args, kwargs)
         return self.verdicts[key]
 

@@ -11,18 +11,19 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-from jax.extend import core as jex_core
 from jax.experimental import pallas as pl
+
+from hlotool import jaxcompat
 
 Estimator = Callable[[Any], pl.CostEstimate]  # from a pallas_call jaxpr equation
 
 
-def _eval(jaxpr: jex_core.Jaxpr, consts, args, estimate: Estimator) -> list:
+def _eval(jaxpr: jaxcompat.Jaxpr, consts, args, estimate: Estimator) -> list:
     """`jax.core.eval_jaxpr`, inlining jit calls and filling in missing cost estimates."""
     env: dict = {}
 
     def read(v):
-        return v.val if isinstance(v, jex_core.Literal) else env[v]
+        return v.val if isinstance(v, jaxcompat.Literal) else env[v]
 
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
@@ -33,10 +34,12 @@ def _eval(jaxpr: jex_core.Jaxpr, consts, args, estimate: Estimator) -> list:
             closed = eqn.params["jaxpr"]
             outs = _eval(closed.jaxpr, closed.consts, invals, estimate)
         else:
-            params = eqn.primitive.get_bind_params(eqn.params)
-            if name == "pallas_call" and params.get("cost_estimate") is None:
+            subfuns, params = jaxcompat.bind_params(eqn)
+            # `in params`: a jax whose pallas_call takes no estimate keeps upstream's call.
+            if (name == "pallas_call" and "cost_estimate" in params
+                    and params["cost_estimate"] is None):
                 params = dict(params, cost_estimate=estimate(eqn))
-            outs = eqn.primitive.bind(*invals, **params)
+            outs = eqn.primitive.bind(*subfuns, *invals, **params)
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]

@@ -1,36 +1,92 @@
-"""Checks that the installed jax still provides what an adapter wraps.
+"""Checks that the installed jax (or tokamax) still provides what an adapter wraps.
 
-Upstream Pallas kernels live under `jax.experimental` and move between releases; an adapter
-probes once at construction and reports itself unavailable with the reason instead of failing
-at call time.
+Upstream kernels live under `jax.experimental` (or in tokamax) and move between releases; an
+adapter probes once and reports itself unavailable with the reason instead of failing at call
+time. A deprecation upstream announces at import is kept as a note (`hlotool doctor` shows
+it) rather than shown to the user on every import of hlotool.kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import inspect
+import importlib.metadata
+import warnings
+from collections.abc import Callable
 from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+
+from hlotool.jaxcompat import signature_problem
+from hlotool.kernels.base import AttentionKernel, Call, with_empty_rows, zero_invalid_keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Upstream:
+    """What a probe found: the module (None when unusable), why not, and upstream's own
+    deprecation notice, if it gave one."""
+
+    module: ModuleType | None
+    reason: str | None = None
+    deprecated: str | None = None
+
+
+def version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def probe(module: str, function: str, params: tuple[str, ...],
-          attrs: tuple[str, ...] = ()) -> tuple[ModuleType | None, str | None]:
-    """(module, None) if `module.function` exists and accepts `params` and the module has
-    `attrs`; otherwise (None, reason)."""
-    try:
-        mod = importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
-        return None, f"cannot import {module} ({type(e).__name__}: {e})"
+          attrs: tuple[str, ...] = (), distribution: str = "jax") -> Upstream:
+    """`module` if `module.function` exists and accepts `params` and the module has `attrs`;
+    otherwise the reason, naming the installed version of `distribution`."""
+    where = f"{distribution} {version(distribution)}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            mod = importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
+            return Upstream(None, f"{where}: cannot import {module} ({type(e).__name__}: {e})")
+    deprecated = None
+    for w in caught:
+        if issubclass(w.category, DeprecationWarning) and module in str(w.message):
+            deprecated = deprecated or str(w.message).split(". ")[0].strip()
+        else:  # not ours to hide
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     fn = getattr(mod, function, None)
     if fn is None:
-        return None, f"{module} has no {function}"
+        return Upstream(None, f"{where}: {module} has no {function}", deprecated)
     missing = [a for a in attrs if not hasattr(mod, a)]
     if missing:
-        return None, f"{module} lacks {', '.join(missing)}"
-    try:
-        accepted = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return None, f"cannot read the signature of {module}.{function}"
-    absent = [p for p in params if p not in accepted]
-    if absent:
-        return None, f"{module}.{function} takes no {', '.join(absent)}"
-    return mod, None
+        return Upstream(None, f"{where}: {module} lacks {', '.join(missing)}", deprecated)
+    problem = signature_problem(fn, f"{module}.{function}", params)
+    if problem:
+        return Upstream(None, f"{where}: {problem}", deprecated)
+    return Upstream(mod, None, deprecated)
+
+
+class UpstreamKernel(AttentionKernel):
+    """An adapter over an upstream kernel: available when its probe (`_probe`, set by the
+    subclass's constructor) found it."""
+
+    _probe: Upstream
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        return self._probe.reason
+
+    @property
+    def deprecated(self) -> str | None:
+        """Upstream's deprecation notice for what this adapter wraps, if it gave one."""
+        return self._probe.deprecated
+
+
+def with_hidden_keys(call: Call, attend: Callable[[Call], jax.Array]) -> jax.Array:
+    """`attend(call)` for an upstream kernel that hides keys its own way (`hidden_logit`):
+    it must not see the NaN a caller may leave beyond kv_lengths (zeroed before, under an
+    infinite fill), and it averages a query row with no visible key, which gets what the
+    call's fill gives it instead (`base.with_empty_rows`)."""
+    return with_empty_rows(call, attend(zero_invalid_keys(call)))

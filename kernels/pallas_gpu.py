@@ -17,9 +17,14 @@ segment-id array [B, L] indexed by both query and key position. The adapter brid
 It refuses (with the reason) what one shared segment-id array cannot express: additive bias,
 boolean masks and kv_lengths. Gradients come from upstream's custom VJP.
 
-Upstream builds its `pallas_call`s without a `cost_estimate`, and even with one this jax's
+Upstream builds its `pallas_call`s without a `cost_estimate`, and even with one jax's
 Triton lowering discards it (`jax/_src/pallas/triton/pallas_call_registration.py` deletes the
 argument), so XLA:GPU sees these calls as opaque; `cost()` is the only estimate.
+
+jax 0.12 deprecates this module in favour of tokamax; the probe keeps that notice for
+`hlotool doctor` instead of printing it on every import. From jax 0.12 on, exporting it for
+CUDA from a machine without a GPU needs an abstract GPU to lower for
+(`jax.sharding.use_abstract_mesh` with an `AbstractDevice`).
 """
 
 from __future__ import annotations
@@ -28,9 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hlotool.kernels._upstream import probe
+from hlotool.kernels._upstream import UpstreamKernel, probe
 from hlotool.kernels.base import (
-    AttentionKernel,
     Call,
     Features,
     KernelCost,
@@ -81,7 +85,7 @@ def _backward_blocks(lq: int, lk: int) -> tuple[int, int] | None:
     return lq // n, lk // n
 
 
-class PallasGpuFlash(AttentionKernel):
+class PallasGpuFlash(UpstreamKernel):
     """JAX's Pallas Triton flash attention (`mha`) behind the common interface.
 
     interpret: run through Pallas' interpreter (for tests off a GPU).
@@ -93,15 +97,11 @@ class PallasGpuFlash(AttentionKernel):
 
     def __init__(self, interpret: bool = False) -> None:
         self.interpret = interpret
-        self._upstream, self._reason = probe(
+        self._probe = probe(
             UPSTREAM, "mha",
             ("q", "k", "v", "segment_ids", "sm_scale", "causal", "block_sizes", "interpret"),
             ("BlockSizes",),
         )
-
-    @property
-    def unavailable_reason(self) -> str | None:
-        return self._reason
 
     def _check(self, site: AttentionSite, features: Features) -> Support:
         if features.bias or features.mask or features.kv_lengths:
@@ -145,7 +145,7 @@ class PallasGpuFlash(AttentionKernel):
         if segmented:
             tail = (jnp.arange(lk_p) >= lk).astype(jnp.int32)
             segment_ids = jnp.broadcast_to(tail, (b, lk_p))
-        mha = self._upstream
+        mha = self._probe.module
         bwd_q, bwd_k = _backward_blocks(lq_p, lk_p)
         blocks = mha.BlockSizes(
             block_q=min(_BLOCK, lq_p), block_k=min(_BLOCK, lk_p),

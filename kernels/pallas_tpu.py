@@ -20,7 +20,9 @@ Gradients (dq, dk, dv, dbias) come from upstream's custom VJP; its backward `pal
 which upstream builds without a `cost_estimate`, get one (see `_costed`).
 
 Off a TPU it runs only in Pallas' TPU interpret mode
-(`with jax.experimental.pallas.tpu.force_tpu_interpret_mode(True):`), slowly.
+(`with jax.experimental.pallas.tpu.force_tpu_interpret_mode(True):`), slowly. Staged off a
+TPU (the TPU branch of `lax.platform_dependent`, an export for TPU), it is traced through
+`jaxcompat.for_tpu`: from jax 0.12 on, Mosaic must be told which TPU it lowers for.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from hlotool import jaxcompat
 from hlotool.kernels._costed import with_backward_costs
-from hlotool.kernels._upstream import probe
+from hlotool.kernels._upstream import UpstreamKernel, with_hidden_keys, probe
 from hlotool.kernels.base import (
-    AttentionKernel,
     Call,
     Features,
     KernelCost,
@@ -44,8 +46,6 @@ from hlotool.kernels.base import (
     flash_cost,
     soft_fill_refusal,
     visible_fraction,
-    with_empty_rows,
-    zero_invalid_keys,
 )
 from hlotool.site import AttentionSite
 
@@ -86,7 +86,7 @@ def _backward_estimate(scores: float, d: int, eqn) -> pl.CostEstimate:
                            transcendentals=int(scores), bytes_accessed=int(nbytes))
 
 
-class PallasTpuFlash(AttentionKernel):
+class PallasTpuFlash(UpstreamKernel):
     """JAX's Pallas TPU flash attention behind the common interface."""
 
     name = "pallas_tpu"
@@ -94,15 +94,11 @@ class PallasTpuFlash(AttentionKernel):
     hidden_logit = _MASKED
 
     def __init__(self) -> None:
-        self._upstream, self._reason = probe(
+        self._probe = probe(
             UPSTREAM, "flash_attention",
             ("q", "k", "v", "ab", "segment_ids", "causal", "sm_scale", "block_sizes"),
             ("BlockSizes", "SegmentIds"),
         )
-
-    @property
-    def unavailable_reason(self) -> str | None:
-        return self._reason
 
     def _check(self, site: AttentionSite, features: Features) -> Support:
         if site.dtype not in ("float32", "bfloat16"):
@@ -124,9 +120,10 @@ class PallasTpuFlash(AttentionKernel):
         return super()._hides_keys(call) or padded_length(call.k.shape[1]) != call.k.shape[1]
 
     def _attend(self, call: Call) -> jax.Array:
-        fa = self._upstream
-        exact = call
-        call = zero_invalid_keys(call)
+        return with_hidden_keys(call, self._attend_upstream)
+
+    def _attend_upstream(self, call: Call) -> jax.Array:
+        fa = self._probe.module
         b, lq, hq, d = call.q.shape
         lk, hkv, dv = call.k.shape[1], call.k.shape[2], call.v.shape[3]
         lq_p, lk_p, d_p = padded_length(lq), padded_length(lk), padded_head_dim(d, dv)
@@ -170,7 +167,11 @@ class PallasTpuFlash(AttentionKernel):
                                       sm_scale=1.0, block_sizes=blocks)
 
         scores = b * hq * lq_p * lk_p * visible_fraction(lq_p, lk_p, bq, bk, call.causal)
-        out = with_backward_costs(flash, functools.partial(_backward_estimate, scores, d_p))(
-            q, k, v, ab, aux=segment_ids)
+        costed = with_backward_costs(flash, functools.partial(_backward_estimate, scores, d_p))
+
+        def pallas_tpu_flash(q, k, v, ab, segment_ids):
+            return costed(q, k, v, ab, aux=segment_ids)
+
+        out = jaxcompat.for_tpu(pallas_tpu_flash)(q, k, v, ab, segment_ids)
         out = jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)  # [B, Lq, Hq, Dv]
-        return with_empty_rows(exact, out)
+        return out

@@ -7,6 +7,7 @@ rewritten sites both go through it.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Hashable, Mapping, Unpack
 
 import jax
@@ -16,26 +17,37 @@ from hlotool.kernels.chunked import Chunked
 from hlotool.kernels.pallas_gpu import PallasGpuFlash
 from hlotool.kernels.pallas_tpu import PallasTpuFlash
 from hlotool.kernels.reference import Reference
+from hlotool.kernels.tokamax import Tokamax
+from hlotool.kernels.tokamax import installed as tokamax_installed
 from hlotool.site import AttentionSite
 
 _KERNELS: dict[str, AttentionKernel] = {
-    k.name: k for k in (PallasTpuFlash(), PallasGpuFlash(), Chunked(), Reference())
+    k.name: k for k in (PallasTpuFlash(), PallasGpuFlash(), Chunked(), Reference(),
+                        Tokamax("tpu"), Tokamax("cuda"))
 }
 
 # Preference per platform, best first. "default" covers every platform not named (CPU).
+# tokamax, where installed, comes before jax's own Pallas kernels: upstream moved attention
+# there. Where it is not installed it is left out, so reasons do not list it as skipped.
+# tokamax_gpu is never preferred (see hlotool.kernels.tokamax); asked for by name, it says why.
+_TOKAMAX = ("tokamax_tpu",) if tokamax_installed() else ()
 PRIORITY: dict[str, tuple[str, ...]] = {
-    "tpu": ("pallas_tpu", "chunked", "reference"),
+    "tpu": (*_TOKAMAX, "pallas_tpu", "chunked", "reference"),
     "cuda": ("pallas_gpu", "chunked", "reference"),
     "default": ("chunked", "reference"),
 }
 
 
 def get(name: str) -> AttentionKernel:
-    """The registered kernel called `name`."""
+    """The registered kernel called `name`; warns, with the reason, when it is unavailable
+    (what asked for it by name then falls back, and must not do so silently)."""
     try:
-        return _KERNELS[name]
+        kernel = _KERNELS[name]
     except KeyError:
         raise KernelError(f"no kernel named {name!r}; known: {', '.join(names())}") from None
+    if kernel.unavailable_reason is not None:
+        warnings.warn(f"kernel {name} unavailable: {kernel.unavailable_reason}", stacklevel=2)
+    return kernel
 
 
 def names() -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from hlotool import jaxcompat
 from hlotool.kernels.base import Call
 
 
@@ -22,7 +23,7 @@ def mesh_of(leaves: Sequence[Any], in_shardings: Any = None) -> Any:
     named = jax.sharding.NamedSharding
     found = [getattr(getattr(x, "aval", None), "sharding", None) for x in leaves]
     found += [x.sharding for x in leaves if isinstance(x, jax.Array)
-              and not isinstance(x, jax.core.Tracer)]
+              and not isinstance(x, jaxcompat.Tracer)]
     found += jax.tree.leaves(in_shardings, is_leaf=lambda x: isinstance(x, named))
     for s in found:
         if isinstance(s, named) and not s.mesh.empty and s.mesh.size > 1:

@@ -17,8 +17,8 @@ import functools
 from typing import Any
 
 import numpy as np
-from jax._src import core, source_info_util
 
+from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
 from hlotool.passes.attention import Layout, Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
@@ -61,23 +61,23 @@ class JaxprRef:
         return next((v for p, _, v in self.aliases if p == path), None)
 
 
-def subjaxpr(eqn: core.JaxprEqn, param: str) -> core.Jaxpr | core.ClosedJaxpr:
+def subjaxpr(eqn: jaxcompat.JaxprEqn, param: str) -> jaxcompat.Jaxpr | jaxcompat.ClosedJaxpr:
     """The sub-jaxpr a path step names: `eqn.params[param]`, or one of `branches[i]`."""
     if param.startswith("branches["):
         return eqn.params["branches"][int(param[9:-1])]
     return eqn.params[param]
 
 
-def jaxpr_at(closed: core.ClosedJaxpr, path: Path) -> core.Jaxpr:
+def jaxpr_at(closed: jaxcompat.ClosedJaxpr, path: Path) -> jaxcompat.Jaxpr:
     """The (open) jaxpr at `path` inside `closed`."""
     jaxpr = closed.jaxpr
     for index, param in path:
         sub = subjaxpr(jaxpr.eqns[index], param)
-        jaxpr = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
+        jaxpr = sub.jaxpr if isinstance(sub, jaxcompat.ClosedJaxpr) else sub
     return jaxpr
 
 
-def describe_path(closed: core.ClosedJaxpr, path: Path) -> str:
+def describe_path(closed: jaxcompat.ClosedJaxpr, path: Path) -> str:
     """Where a site sits: "top level", or the enclosing equations, e.g. "scan.jaxpr"."""
     steps = []
     for depth, (index, param) in enumerate(path):
@@ -86,12 +86,12 @@ def describe_path(closed: core.ClosedJaxpr, path: Path) -> str:
     return " > ".join(steps) or "top level"
 
 
-def _source(eqn: core.JaxprEqn) -> str:
-    frames = source_info_util.user_frames(eqn.source_info.traceback)
+def _source(eqn: jaxcompat.JaxprEqn) -> str:
+    frames = jaxcompat.user_frames(eqn.source_info.traceback)
     return user_source((f.file_name, f.start_line) for f in frames)
 
 
-def _normalize(eqn: core.JaxprEqn) -> tuple[str, dict[str, Any], tuple[int, ...] | None]:
+def _normalize(eqn: jaxcompat.JaxprEqn) -> tuple[str, dict[str, Any], tuple[int, ...] | None]:
     """(op, params, input order) of an equation in the graph vocabulary."""
     prim, p = eqn.primitive.name, eqn.params
     if prim == "dot_general":
@@ -121,7 +121,7 @@ class _Builder:
     def __init__(self) -> None:
         self.regions: list[Graph] = []
 
-    def region(self, jaxpr: core.Jaxpr, consts: list[Any], path: Path) -> None:
+    def region(self, jaxpr: jaxcompat.Jaxpr, consts: list[Any], path: Path) -> None:
         graph = Graph([], path)
         self.regions.append(graph)
         env: dict[Any, Node] = {}
@@ -141,11 +141,11 @@ class _Builder:
         return node
 
     def _read(self, atom, env, path: Path, index: int, graph: Graph) -> Node:
-        if isinstance(atom, core.Literal):
+        if isinstance(atom, jaxcompat.Literal):
             return self._constant(atom.aval, atom.val, JaxprRef(path, index, None), graph)
         return env[atom]
 
-    def _eqns(self, jaxpr: core.Jaxpr, env: dict, path: Path, graph: Graph) -> None:
+    def _eqns(self, jaxpr: jaxcompat.Jaxpr, env: dict, path: Path, graph: Graph) -> None:
         for index, eqn in enumerate(jaxpr.eqns):
             inputs = [self._read(a, env, path, index, graph) for a in eqn.invars]
             prim = eqn.primitive.name
@@ -172,12 +172,12 @@ class _Builder:
                 graph.nodes.extend(product or [node])
                 env[v] = product[-1] if product else node
 
-    def _inline(self, eqn: core.JaxprEqn, index: int, inputs: list[Node], env: dict,
+    def _inline(self, eqn: jaxcompat.JaxprEqn, index: int, inputs: list[Node], env: dict,
                 path: Path, graph: Graph) -> None:
         param = INLINED[eqn.primitive.name]
         sub = eqn.params[param]
         inner_path = path + ((index, param),)
-        inner, consts = (sub.jaxpr, sub.consts) if isinstance(sub, core.ClosedJaxpr) else (
+        inner, consts = (sub.jaxpr, sub.consts) if isinstance(sub, jaxcompat.ClosedJaxpr) else (
             sub, [])
         inner_env: dict[Any, Node] = {}
         for v, c in zip(inner.constvars, consts):
@@ -194,7 +194,7 @@ class _Builder:
                 node.ref.aliases.append((path, index, outer))
 
 
-def regions(closed: core.ClosedJaxpr) -> list[Graph]:
+def regions(closed: jaxcompat.ClosedJaxpr) -> list[Graph]:
     """The normalized graphs of a program: the top level first, then nested bodies."""
     builder = _Builder()
     builder.region(closed.jaxpr, list(closed.consts), ())
@@ -297,20 +297,20 @@ def _site_level(nodes: tuple[Node, ...]) -> Path:
     return common
 
 
-def _readers(jaxpr: core.Jaxpr) -> dict[Any, set[int]]:
+def _readers(jaxpr: jaxcompat.Jaxpr) -> dict[Any, set[int]]:
     """Var -> indices of the equations reading it (len(eqns) stands for the outputs)."""
     readers: dict[Any, set[int]] = {}
     for i, e in enumerate(jaxpr.eqns):
         for v in e.invars:
-            if not isinstance(v, core.Literal):
+            if not isinstance(v, jaxcompat.Literal):
                 readers.setdefault(v, set()).add(i)
     for v in jaxpr.outvars:
-        if not isinstance(v, core.Literal):
+        if not isinstance(v, jaxcompat.Literal):
             readers.setdefault(v, set()).add(len(jaxpr.eqns))
     return readers
 
 
-def _to_jaxpr_site(closed: core.ClosedJaxpr, match: Match,
+def _to_jaxpr_site(closed: jaxcompat.ClosedJaxpr, match: Match,
                    readers: dict[Path, dict[Any, set[int]]]) -> JaxprSite:
     body = [n for n in match.body if isinstance(n.ref, JaxprRef)]
     level = _site_level(tuple(n for n in body if n.op not in ("constant", "parameter")))
@@ -351,9 +351,9 @@ def _to_jaxpr_site(closed: core.ClosedJaxpr, match: Match,
     )
 
 
-def detect_jaxpr(closed: core.ClosedJaxpr, function: str = "") -> list[JaxprSite]:
+def detect_jaxpr(closed: jaxcompat.ClosedJaxpr, function: str = "") -> list[JaxprSite]:
     """Every attention site in `closed`, nested bodies included, in program order."""
-    if not isinstance(closed, core.ClosedJaxpr):
+    if not isinstance(closed, jaxcompat.ClosedJaxpr):
         raise HlotoolError(f"detect_jaxpr needs a ClosedJaxpr, got {type(closed).__name__}")
     sites, readers = [], {}
     live = _live_vars(closed.jaxpr)
@@ -363,18 +363,18 @@ def detect_jaxpr(closed: core.ClosedJaxpr, function: str = "") -> list[JaxprSite
     return sites
 
 
-def near_misses_jaxpr(closed: core.ClosedJaxpr, function: str = "") -> list[NearMiss]:
+def near_misses_jaxpr(closed: jaxcompat.ClosedJaxpr, function: str = "") -> list[NearMiss]:
     """Almost-attention in `closed` that is not a site, each with the first rule it breaks."""
     return [miss for graph in regions(closed)
             for miss in near_misses(graph, find(graph, function), function)]
 
 
-def _live_vars(jaxpr: core.Jaxpr) -> set[Any]:
+def _live_vars(jaxpr: jaxcompat.Jaxpr) -> set[Any]:
     """Variables the outputs depend on. jit's lowering drops dead equations (flax's `init`
     computes the model's output only to throw it away), so a site outside this set is never
     compiled: the HLO front end cannot see it, and it is no site of the program."""
-    live = {v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
+    live = {v for v in jaxpr.outvars if not isinstance(v, jaxcompat.Literal)}
     for eqn in reversed(jaxpr.eqns):
         if eqn.effects or any(v in live for v in eqn.outvars):
-            live.update(v for v in eqn.invars if not isinstance(v, core.Literal))
+            live.update(v for v in eqn.invars if not isinstance(v, jaxcompat.Literal))
     return live

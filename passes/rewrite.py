@@ -24,9 +24,8 @@ from collections import defaultdict
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
 
+from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
 from hlotool.passes.from_jaxpr import JaxprSite, Path, subjaxpr
 
@@ -41,14 +40,14 @@ class RewriteError(HlotoolError):
     """A site cannot be substituted without changing the program; the message says why."""
 
 
-def free_inputs(jaxpr: core.Jaxpr, site: JaxprSite) -> list[Any]:
+def free_inputs(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> list[Any]:
     """Variables a replacement may read: those the site's equations read but do not define,
     in first-use order, then the masks' own operands (`MaskVar.var`, before the program
     broadcast them), all defined before the site's output."""
     defined, seen, out = set(), set(), []
     for i in site.eqns:
         for v in jaxpr.eqns[i].invars:
-            if isinstance(v, core.Literal) or v in defined or v in seen:
+            if isinstance(v, jaxcompat.Literal) or v in defined or v in seen:
                 continue
             seen.add(v)
             out.append(v)
@@ -61,7 +60,7 @@ def free_inputs(jaxpr: core.Jaxpr, site: JaxprSite) -> list[Any]:
     return out
 
 
-def site_equations(jaxpr: core.Jaxpr, site: JaxprSite) -> Replacement:
+def site_equations(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> Replacement:
     """The site's own equations as a replacement: evaluating it reproduces the naive output
     (the branch of a platform that keeps the site as the program wrote it)."""
     inputs = free_inputs(jaxpr, site)
@@ -69,13 +68,13 @@ def site_equations(jaxpr: core.Jaxpr, site: JaxprSite) -> Replacement:
                          eqns=[jaxpr.eqns[i] for i in site.eqns])
 
     def run(values: Mapping[Any, jax.Array]) -> jax.Array:
-        (out,) = core.eval_jaxpr(body, (), *(values[v] for v in inputs))
+        (out,) = jaxcompat.eval_jaxpr(body, (), *(values[v] for v in inputs))
         return out
 
     return run
 
 
-def check(jaxpr: core.Jaxpr, site: JaxprSite) -> None:
+def check(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> None:
     """Raise `RewriteError` if dropping the site's equations would change the program."""
     if site.escaping:
         names = ", ".join(sorted(v.aval.str_short(short_dtypes=True) for v in site.escaping))
@@ -104,7 +103,7 @@ def _explicit_sharding(aval: Any) -> Any:
 
 
 def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str,
-                cache: dict[Any, core.JaxprEqn]) -> core.JaxprEqn:
+                cache: dict[Any, jaxcompat.JaxprEqn]) -> jaxcompat.JaxprEqn:
     """`fn` traced into one `jit` equation reading `inputs` and defining `out`.
 
     A replacement with a `cache_key` attribute is traced once per key and input types:
@@ -134,10 +133,10 @@ def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str,
     return eqn.replace(invars=list(inputs), outvars=[out])
 
 
-def _substitute(jaxpr: core.Jaxpr, sites: Sequence[tuple[JaxprSite, Replacement]],
-                name: str, cache: dict[Any, core.JaxprEqn]) -> core.Jaxpr:
+def _substitute(jaxpr: jaxcompat.Jaxpr, sites: Sequence[tuple[JaxprSite, Replacement]],
+                name: str, cache: dict[Any, jaxcompat.JaxprEqn]) -> jaxcompat.Jaxpr:
     drop: set[int] = set()
-    placed: dict[int, core.JaxprEqn] = {}
+    placed: dict[int, jaxcompat.JaxprEqn] = {}
     for site, fn in sites:
         check(jaxpr, site)
         if drop & set(site.eqns):
@@ -157,7 +156,7 @@ def _substitute(jaxpr: core.Jaxpr, sites: Sequence[tuple[JaxprSite, Replacement]
     return jaxpr.replace(eqns=eqns)
 
 
-def _with_sub(eqn: core.JaxprEqn, param: str, new) -> core.JaxprEqn:
+def _with_sub(eqn: jaxcompat.JaxprEqn, param: str, new) -> jaxcompat.JaxprEqn:
     if param.startswith("branches["):
         branches = list(eqn.params["branches"])
         branches[int(param[9:-1])] = new
@@ -165,9 +164,9 @@ def _with_sub(eqn: core.JaxprEqn, param: str, new) -> core.JaxprEqn:
     return eqn.replace(params={**eqn.params, param: new})
 
 
-def _rebuild(jaxpr: core.Jaxpr, here: Path,
+def _rebuild(jaxpr: jaxcompat.Jaxpr, here: Path,
              by_path: Mapping[Path, list[tuple[JaxprSite, Replacement]]], name: str,
-             cache: dict[Any, core.JaxprEqn]) -> core.Jaxpr:
+             cache: dict[Any, jaxcompat.JaxprEqn]) -> jaxcompat.Jaxpr:
     """`jaxpr` (at `here`) with the sites at and below it substituted; interface kept."""
     deeper: dict[tuple[int, str], None] = {}
     for path in by_path:
@@ -177,19 +176,19 @@ def _rebuild(jaxpr: core.Jaxpr, here: Path,
         eqns = list(jaxpr.eqns)
         for index, param in deeper:
             sub = subjaxpr(eqns[index], param)
-            inner = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
+            inner = sub.jaxpr if isinstance(sub, jaxcompat.ClosedJaxpr) else sub
             new = _rebuild(inner, here + ((index, param),), by_path, name, cache)
-            new = sub.replace(jaxpr=new) if isinstance(sub, core.ClosedJaxpr) else new
+            new = sub.replace(jaxpr=new) if isinstance(sub, jaxcompat.ClosedJaxpr) else new
             eqns[index] = _with_sub(eqns[index], param, new)
         jaxpr = jaxpr.replace(eqns=eqns)
     if here in by_path:
         jaxpr = _substitute(jaxpr, by_path[here], name, cache)
-    jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    jaxpr, _ = jaxcompat.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     return jaxpr
 
 
-def rewrite(closed: core.ClosedJaxpr, replacements: Sequence[tuple[JaxprSite, Replacement]],
-            name: str = "hlotool_flash") -> core.ClosedJaxpr:
+def rewrite(closed: jaxcompat.ClosedJaxpr, replacements: Sequence[tuple[JaxprSite, Replacement]],
+            name: str = "hlotool_flash") -> jaxcompat.ClosedJaxpr:
     """`closed` with each site computed by its replacement (traced as a `jit` named `name`).
 
     Sites must come from `detect_jaxpr(closed)`; their paths and equation indices refer to it.

@@ -1,4 +1,36 @@
 import os
+import sys
+import types
+
+import pytest
 
 # Tests run on the host CPU; with libtpu installed jax would otherwise probe for a TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def pallas_tpu_preferred():
+    """Where tokamax is installed the registry prefers it on TPU; the suite's TPU expectations
+    (custom-call counts, cost estimates, reasons) are the Pallas TPU kernel's. Session-wide,
+    so module-scoped fixtures see it too; the tokamax tests put it back first
+    (tests/test_jaxcompat.py)."""
+    from hlotool.kernels import registry
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(registry.PRIORITY, "tpu", tuple(
+            name for name in registry.PRIORITY["tpu"] if name != "tokamax_tpu"))
+        yield
+
+
+@pytest.fixture
+def fake_module(monkeypatch):
+    """Registers a stand-in module under a name of its own, for the seam's probes to find
+    (or not find) what a jax release has."""
+
+    def make(name: str, **attrs):
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+        return module
+
+    return make

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import core
 from test_detect import (
     B, H, K, L, Q, V, alibi, arr, attend, bhld_matmul, causal_additive, causal_iota,
     extra_batch, gqa_broadcast, gqa_grouped_einsum, gqa_repeat, gqa_tile, key_padding,
@@ -15,6 +14,7 @@ from test_detect import (
     transposed_operands,
 )
 
+from hlotool import jaxcompat
 from hlotool.kernels.reference import Reference
 from hlotool.passes.from_jaxpr import detect_jaxpr, jaxpr_at
 from hlotool.passes.lower import lower, operands, restore
@@ -23,17 +23,17 @@ QT, KT, VT = (x.transpose(0, 2, 1, 3) for x in (Q, K, V))
 KV2 = arr(B, L, 2, 16)
 
 
-def evaluate(closed: core.ClosedJaxpr, *args) -> dict:
+def evaluate(closed: jaxcompat.ClosedJaxpr, *args) -> dict:
     """Value of every variable of the top-level jaxpr."""
     jaxpr = closed.jaxpr
     env = dict(zip(jaxpr.constvars, closed.consts)) | dict(zip(jaxpr.invars, args))
 
     def read(atom):
-        return atom.val if isinstance(atom, core.Literal) else env[atom]
+        return atom.val if isinstance(atom, jaxcompat.Literal) else env[atom]
 
     for eqn in jaxpr.eqns:
-        params = eqn.primitive.get_bind_params(eqn.params)
-        out = eqn.primitive.bind(*map(read, eqn.invars), **params)
+        subfuns, params = jaxcompat.bind_params(eqn)
+        out = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
         env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
     return env
 

@@ -9,6 +9,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import pytest
 from click.testing import CliRunner
 
@@ -19,6 +20,10 @@ from hlotool.hlo import parse_module
 from hlotool.passes.native import map_sites, native_fate
 
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
+# XLA:CPU from jaxlib 0.10 on runs a naive attention site in YNNPACK `__ynn_fusion`s that
+# keep two [B, H, L, L] buffers (QKᵀ's output, the probabilities); before, it writes four.
+YNN = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) >= (0, 10)
+SCORE_BUFFERS = 2 if YNN else 4
 REQUIRED = {"function", "source", "q_shape", "k_shape", "v_shape", "dtype", "scale", "mask",
             "score_bytes", "native"}
 
@@ -102,7 +107,7 @@ def test_table_shows_sites_and_native_fate_per_target():
     rows = [r.split() for r in native[3:]]
     assert [(r[0], r[1]) for r in rows] == [
         ("1", "cpu"), ("1", "tpu-v5e"), ("2", "cpu"), ("2", "tpu-v5e")]
-    assert all("__ynn_fusion" in " ".join(r) for r in rows if r[1] == "cpu")
+    assert all(("__ynn_fusion" in " ".join(r)) == YNN for r in rows if r[1] == "cpu")
 
 
 def test_no_sites_exits_zero(tmp_path):
@@ -123,10 +128,11 @@ def test_native_fate_on_cpu_names_fusions_and_score_buffers():
     [fate] = native_fate(f, "cpu")
     assert (fate.site.q_len, fate.site.num_q_heads, fate.target) == (64, 4, "cpu")
     whats = [p.what for p in fate.placements]
-    assert "fusion kCustom __ynn_fusion" in whats and not fate.online_softmax
-    # The QKᵀ contraction's output and the normalized probabilities stay [B, H, L, L].
-    assert [p.shape for p in fate.placements if p.score_sized] == ["f32[2,4,64,64]"] * 2
-    assert fate.score_buffers == 2
+    assert ("fusion kCustom __ynn_fusion" in whats) == YNN and not fate.online_softmax
+    # At least the QKᵀ contraction's output and the normalized probabilities stay [B, H, L, L].
+    assert [p.shape for p in fate.placements if p.score_sized] == ["f32[2,4,64,64]"] * (
+        SCORE_BUFFERS)
+    assert fate.score_buffers == SCORE_BUFFERS
 
 
 def test_native_fate_on_tpu_shows_xla_online_softmax_by_layout():
@@ -180,7 +186,7 @@ def test_layers_sharing_a_constant_still_get_one_region_each():
                  "--steps", "1")
     assert result.exit_code == 0, result.output
     fates = [s["native"]["cpu"] for s in json.loads(result.stdout)["sites"]]
-    assert [f["score_buffers"] for f in fates] == [2, 2]
+    assert [f["score_buffers"] for f in fates] == [SCORE_BUFFERS] * 2
     names = [{p["name"] for p in f["placements"]} for f in fates]
     assert not names[0] & names[1]
 

@@ -3,6 +3,7 @@ the platform dispatcher lowering to each platform's kernel."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 
@@ -18,9 +19,22 @@ from hlotool.kernels import registry
 from hlotool.kernels.base import flash_cost, naive_cost, visible_fraction
 from hlotool.kernels.pallas_tpu import UPSTREAM as TPU_UPSTREAM
 from hlotool.kernels.pallas_tpu import PallasTpuFlash
+from hlotool.kernels.tokamax import installed as tokamax_installed
 from hlotool.site import AttentionSite
 
 TRITON = "__gpu$xla.gpu.triton"
+JAX = f"jax {jax.__version__}"
+
+
+def off_gpu():
+    """Where an export for CUDA lowers Pallas Triton on this CPU-only machine: from jax 0.12
+    on, under an abstract GPU to lower for (older jax lowered for a generic one)."""
+    try:
+        gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                          platform="gpu")
+    except TypeError:  # jax < 0.10: an AbstractDevice without a platform
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=gpu))
 
 
 def site(**kw) -> AttentionSite:
@@ -137,8 +151,10 @@ def test_pallas_tpu_cost_counts_repeated_gqa_heads():
 
 
 def test_registry_lists_and_selects():
-    assert kernels.names() == ["pallas_tpu", "pallas_gpu", "chunked", "reference"]
-    assert kernels.available() == kernels.names()
+    assert kernels.names() == ["pallas_tpu", "pallas_gpu", "chunked", "reference",
+                               "tokamax_tpu", "tokamax_gpu"]
+    assert kernels.available() == ["pallas_tpu", "pallas_gpu", "chunked", "reference"] + (
+        ["tokamax_tpu"] if tokamax_installed() else [])
     k, why = kernels.select(site(), "tpu")
     assert (k.name, why) == ("pallas_tpu", "pallas_tpu for tpu")
     k, why = kernels.select(site(), "cpu")
@@ -157,13 +173,14 @@ def tpu_upstream_missing(monkeypatch):
 
 
 def test_missing_upstream_reports_unavailable_and_falls_back(tpu_upstream_missing):
-    tpu = kernels.get("pallas_tpu")
-    assert tpu.unavailable_reason.startswith(f"cannot import {TPU_UPSTREAM}")
+    with pytest.warns(UserWarning, match="^kernel pallas_tpu unavailable: "):
+        tpu = kernels.get("pallas_tpu")  # asked for by name: it says so
+    assert tpu.unavailable_reason.startswith(f"{JAX}: cannot import {TPU_UPSTREAM}")
     assert "pallas_tpu" not in kernels.available()
     k, why = kernels.select(site(), "tpu")
     assert k.name == "chunked"
-    assert why.startswith("chunked for tpu (pallas_tpu skipped: pallas_tpu unavailable: "
-                          "cannot import")
+    assert why.startswith(f"chunked for tpu (pallas_tpu skipped: pallas_tpu unavailable: "
+                          f"{JAX}: cannot import")
     x = sds(1, 256, 2, 64)
     f = jax.jit(lambda q, k, v: kernels.attention(q, k, v, scale=0.125, causal=True))
     assert "tpu_custom_call" not in export.export(f, platforms=["tpu"])(x, x, x).mlir_module()
@@ -174,8 +191,8 @@ def test_signature_change_reports_unavailable(monkeypatch):
 
     monkeypatch.setattr(upstream, "flash_attention", lambda q, k, v, *, causal: None)
     reason = PallasTpuFlash().unavailable_reason
-    assert reason == (f"{TPU_UPSTREAM}.flash_attention takes no ab, segment_ids, sm_scale, "
-                      "block_sizes")
+    assert reason == (f"{JAX}: {TPU_UPSTREAM}.flash_attention takes no ab, segment_ids, "
+                      "sm_scale, block_sizes")
 
 
 # --- dispatcher -------------------------------------------------------------------------
@@ -207,9 +224,10 @@ def test_dispatcher_exports_pallas_tpu_and_runs_chunked_on_cpu():
 def test_dispatcher_exports_triton_for_cuda():
     x = sds(2, 256, 4, 64)
     checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
-    fwd = export.export(jax.jit(_attn()), platforms=["cuda"], disabled_checks=checks)(x, x, x)
+    with off_gpu():
+        fwd = export.export(jax.jit(_attn()), platforms=["cuda"], disabled_checks=checks)(x, x, x)
+        bwd = export.export(jax.jit(_grad()), platforms=["cuda"], disabled_checks=checks)(x, x, x)
     assert fwd.mlir_module().count(TRITON) == 1
-    bwd = export.export(jax.jit(_grad()), platforms=["cuda"], disabled_checks=checks)(x, x, x)
     assert bwd.mlir_module().count(TRITON) == 3  # forward, backward preprocess, fused bwd
 
 
@@ -217,7 +235,8 @@ def test_dispatcher_cuda_falls_back_when_gpu_kernel_refuses():
     x, bias = sds(1, 256, 2, 64), sds(256, 256)
     checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
     f = jax.jit(lambda q, k, v, b: kernels.attention(q, k, v, scale=0.1, bias=b))
-    text = export.export(f, platforms=["cuda"], disabled_checks=checks)(x, x, x, bias)
+    with off_gpu():
+        text = export.export(f, platforms=["cuda"], disabled_checks=checks)(x, x, x, bias)
     assert TRITON not in text.mlir_module()
     text = export.export(f, platforms=["tpu"])(x, x, x, bias).mlir_module()
     assert text.count("tpu_custom_call") == 1

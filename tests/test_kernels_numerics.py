@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +23,9 @@ from hlotool.kernels.pallas_tpu import PallasTpuFlash
 from hlotool.kernels.reference import Reference
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+# Public in jax.extend.core from jax 0.10 on; jax.core's copy is gone in 0.12.
+jaxprs_in_params = (getattr(jax.extend.core, "jaxprs_in_params", None)
+                    or jax.core.jaxprs_in_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +180,7 @@ def _largest_intermediate(jaxpr) -> int:
     for eqn in jaxpr.eqns:
         for var in eqn.outvars:
             biggest = max(biggest, math.prod(getattr(var.aval, "shape", ())))
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             biggest = max(biggest, _largest_intermediate(sub))
     return biggest
 

@@ -8,17 +8,22 @@ import re
 import warnings
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 
 import hlotool
-from hlotool import flash
+from hlotool import flash, jaxcompat
 from hlotool.cost import decision
 from hlotool.errors import HlotoolError
 from hlotool.passes.from_jaxpr import detect_jaxpr
 from test_detect_negative import CASES as NEGATIVES
+
+# Public in jax.extend.core from jax 0.10 on; jax.core's copy is gone in 0.12.
+jaxprs_in_params = (getattr(jax.extend.core, "jaxprs_in_params", None)
+                    or jax.core.jaxprs_in_params)
 
 B, L, H, D = 1, 512, 2, 16  # L = 512: the shortest sequence the cost model sends to a kernel
 rng = np.random.default_rng(0)
@@ -147,7 +152,7 @@ def test_backward_never_materializes_scores():
             if any(getattr(v.aval, "shape", ())[-2:] == (n, n) and v.aval.dtype == jnp.float32
                    for v in eqn.outvars):
                 return True
-            if any(has_scores(sub) for sub in jax.core.jaxprs_in_params(eqn.params)):
+            if any(has_scores(sub) for sub in jaxprs_in_params(eqn.params)):
                 return True
         return False
 
@@ -348,10 +353,8 @@ def test_identical_sites_share_one_traced_kernel_and_keep_their_lines():
     def two_layers(q, k, v):
         return causal(q, k, v) + causal(q, v, k)
 
-    from jax._src import source_info_util
-
     calls = [e for e in jax.make_jaxpr(flash.Rewritten(two_layers, "auto"))(Q, K, V).eqns
              if e.params.get("name") == "hlotool_flash"]
     assert len(calls) == 2 and calls[0].params["jaxpr"] is calls[1].params["jaxpr"]
-    lines = [source_info_util.user_frame(e.source_info.traceback).start_line for e in calls]
+    lines = [next(jaxcompat.user_frames(e.source_info.traceback)).start_line for e in calls]
     assert lines == [attend.__code__.co_firstlineno + 6] * 2  # attend's `return ... softmax`

@@ -63,7 +63,8 @@ def test_eight_cpu_devices_explicit_mesh():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["devices"] == 8 and result["shard_map"] == 3  # cpu, tpu and cuda branches
     assert result["error"] < 1e-5 and result["grad_error"] < 1e-5
-    assert result["out_spec"] == "P('data', None, 'model', None)"
+    # jax < 0.10 spells PartitionSpec out in its repr.
+    assert result["out_spec"].replace("PartitionSpec(", "P(") == "P('data', None, 'model', None)"
 
 
 def test_deviceless_tpu_v5e_2x2_compiles_with_kernel_per_shard():

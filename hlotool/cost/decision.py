@@ -16,7 +16,7 @@ import jax
 from hlotool.cost.model import Figures, analytic, kernel_for
 from hlotool.cost.xla import xla_fuses_natively
 from hlotool.hardware import Hardware, get_hardware
-from hlotool import kernels
+from hlotool import jaxcompat, kernels
 from hlotool.kernels import KernelError
 from hlotool.site import AttentionSite
 from hlotool.units import format_bytes
@@ -154,9 +154,7 @@ class Choice:
 def running_platform() -> str:
     """The platform jax executes on in this process, as `lax.platform_dependent` names it
     ("cpu", "tpu", "cuda", "rocm", ...)."""
-    from jax._src import xla_bridge
-
-    return xla_bridge.canonicalize_platform(jax.default_backend())
+    return jaxcompat.canonicalize_platform(jax.default_backend())
 
 
 @functools.cache
