@@ -31,7 +31,7 @@ import jax
 from jaxlib.mlir import ir
 
 from hlotool import jaxcompat
-from hlotool.errors import HlotoolError
+from hlotool.errors import HlotoolError, first_line
 from hlotool.hlo import parse_module
 from hlotool.jaxcompat import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 from hlotool.targets import Target, get_target
@@ -143,7 +143,7 @@ class CapturedFunction:
                     self._lowered[t.name] = jitted.trace(*args).lower()
             except Exception as e:
                 raise HlotoolError(
-                    f"cannot lower {self.name} for {t.name}: {_first_line(e)}"
+                    f"cannot lower {self.name} for {t.name}: {first_line(e)}"
                 ) from e
         return self._lowered[t.name]
 
@@ -156,7 +156,7 @@ class CapturedFunction:
                 self._compiled[t.name] = lowered.compile()
             except Exception as e:
                 raise HlotoolError(
-                    f"cannot compile {self.name} for {t.name}: {_first_line(e)}"
+                    f"cannot compile {self.name} for {t.name}: {first_line(e)}"
                 ) from e
         return self._compiled[t.name]
 
@@ -355,7 +355,7 @@ def _run(path: str) -> None:
             detail = f"status {e.code}" if isinstance(e.code, int) else repr(e.code)
             raise ScriptError(f"{path} exited with {detail}") from e
     except Exception as e:
-        raise ScriptError(f"{_where(e, path)}: {type(e).__name__}: {_first_line(e)}") from e
+        raise ScriptError(f"{_where(e, path)}: {type(e).__name__}: {first_line(e)}") from e
 
 
 def _where(error: BaseException, path: str) -> str:
@@ -374,9 +374,6 @@ def _avals(avals: Sequence[Any]) -> str:
     return "(" + ", ".join(a.str_short(short_dtypes=True) for a in avals) + ")"
 
 
-def _first_line(error: BaseException) -> str:
-    lines = [ln for ln in str(error).splitlines() if ln.strip()]
-    return lines[0].strip() if lines else type(error).__name__
 
 
 def _source_path(func_src_info: str) -> str:

@@ -154,7 +154,7 @@ def kernel_checks() -> list[Check]:
 def target_checks() -> list[Check]:
     import jax
 
-    from hlotool.errors import HlotoolError
+    from hlotool.errors import HlotoolError, first_line
     from hlotool.targets import TARGETS, libtpu_missing
 
     checks = []
@@ -175,7 +175,7 @@ def target_checks() -> list[Check]:
         except HlotoolError as e:
             checks.append(Check(f"target {target.name}", FAIL, str(e)))
         except Exception as e:  # noqa: BLE001 - a compile failure of any kind is the finding
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             checks.append(Check(f"target {target.name}", FAIL, f"compile failed: {first}"))
         else:
             checks.append(Check(f"target {target.name}", OK,

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from hlotool.errors import HlotoolError
+from hlotool.errors import HlotoolError, first_line, lookup
 
 if TYPE_CHECKING:
     import jax
@@ -88,12 +88,7 @@ def get_target(name: str | Target) -> Target:
     """The `Target` called `name`; raises `UnknownTargetError` listing the valid names."""
     if isinstance(name, Target):
         return name
-    try:
-        return TARGETS[name]
-    except KeyError:
-        raise UnknownTargetError(
-            f"unknown target {name!r}; valid targets: {', '.join(TARGETS)}"
-        ) from None
+    return lookup(TARGETS, name, "target", UnknownTargetError)
 
 
 def default_jax_platforms() -> None:
@@ -150,7 +145,7 @@ def _replicated_sharding(topology: str) -> jax.sharding.NamedSharding:
         except HlotoolError:
             raise
         except Exception as e:  # libtpu refusing the topology: say why
-            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            detail = first_line(e)
             hint = _last_line(noise())
             raise HlotoolError(
                 f"cannot describe TPU topology {topology!r} for a deviceless compile "

@@ -327,12 +327,22 @@ class AttentionKernel(abc.ABC):
         return f"<{type(self).__name__} {self.name!r}>"
 
 
+def cdiv(a, b):
+    """⌈a / b⌉ for positive ints (and jax integer arrays, as a loop bound)."""
+    return (a + b - 1) // b
+
+
+def round_up(x: int, multiple: int) -> int:
+    """`x` rounded up to a multiple of `multiple`."""
+    return cdiv(x, multiple) * multiple
+
+
 def visible_fraction(lq: int, lk: int, bq: int, bk: int, causal: bool) -> float:
     """Fraction of the [Lq, Lk] score tiles (of bq × bk) a block-skipping kernel visits."""
-    nq, nk = -(-lq // bq), -(-lk // bk)
+    nq, nk = cdiv(lq, bq), cdiv(lk, bk)
     if not causal:
         return 1.0
-    visited = sum(min(nk, -(-min((i + 1) * bq, lk) // bk)) for i in range(nq))
+    visited = sum(min(nk, cdiv(min((i + 1) * bq, lk), bk)) for i in range(nq))
     return visited / (nq * nk)
 
 
@@ -373,7 +383,7 @@ def flash_cost(
     b, hq, hkv, lq, lk = site.batch, site.num_q_heads, site.num_kv_heads, site.q_len, site.kv_len
     d, dv, item = site.head_dim, site.v_head_dim, site.itemsize
     frac = visible_fraction(lq, lk, block_q, block_k, site.causal)
-    nq, nk = -(-lq // block_q), -(-lk // block_k)
+    nq, nk = cdiv(lq, block_q), cdiv(lk, block_k)
     scores = int(b * hq * lq * lk * frac)
     q_bytes, o_bytes = b * lq * hq * d * item, b * lq * hq * dv * item
     kv_bytes = b * lk * hkv * kv_head_repeat * (d + dv) * item

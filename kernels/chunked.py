@@ -36,6 +36,7 @@ from hlotool.kernels.base import (
     KernelCost,
     KernelError,
     Support,
+    cdiv,
     flash_cost,
     zero_invalid_keys,
 )
@@ -57,10 +58,6 @@ class _Static:
     def skipped_keys_count(self) -> bool:
         """Whether skipped (causal) blocks carry weight that must be added back."""
         return self.causal and math.isfinite(self.fill)
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def _tile(x: jax.Array | None, i, j, st: _Static) -> jax.Array | None:
@@ -119,7 +116,7 @@ def _num_k_blocks(i, nk: int, st: _Static):
     """Key blocks query block i visits: all, or under `causal` those touching j <= i."""
     if not st.causal:
         return nk
-    return jnp.minimum(nk, _cdiv((i + 1) * st.block_q, st.block_k))
+    return jnp.minimum(nk, cdiv((i + 1) * st.block_q, st.block_k))
 
 
 def _first_q_block(j, st: _Static):
@@ -131,7 +128,7 @@ def _first_q_block(j, st: _Static):
 
 def _skipped_keys(i, st: _Static) -> jax.Array:
     """Position of the first key block query block i does not visit (causal)."""
-    return _num_k_blocks(i, _cdiv(st.kv_len, st.block_k), st) * st.block_k
+    return _num_k_blocks(i, cdiv(st.kv_len, st.block_k), st) * st.block_k
 
 
 def _forward(q, k, v, bias, mask, kv_lengths, st: _Static):
@@ -301,7 +298,7 @@ def _pad_axis(x: jax.Array, axis: int, to: int, value=0, *, broadcast: bool = Fa
 
 def _block(length: int, block: int) -> int:
     """Block size for a length: `block`, or the whole length rounded up to 8 if shorter."""
-    return block if length > block else _cdiv(length, 8) * 8
+    return block if length > block else cdiv(length, 8) * 8
 
 
 class Chunked(AttentionKernel):
@@ -333,7 +330,7 @@ class Chunked(AttentionKernel):
         lk, hkv = call.k.shape[1], call.k.shape[2]
         g = hq // hkv
         bq, bk = _block(lq, self.block_q), _block(lk, self.block_k)
-        lq_p, lk_p = _cdiv(lq, bq) * bq, _cdiv(lk, bk) * bk
+        lq_p, lk_p = cdiv(lq, bq) * bq, cdiv(lk, bk) * bk
         # Scaling q (L·D) is cheaper than scaling every score tile (L·L), but in a narrow
         # dtype it rounds q (and a scale of 1e6 is inf in float16): there the f32 tiles are
         # scaled instead, as the naive program scales its scores.

@@ -40,6 +40,7 @@ from hlotool.kernels.base import (
     KernelCost,
     Support,
     flash_cost,
+    round_up,
     soft_fill_refusal,
 )
 from hlotool.site import AttentionSite
@@ -48,10 +49,6 @@ UPSTREAM = "jax.experimental.pallas.ops.gpu.attention"
 _BLOCK = 128
 # Upstream's mask value (its DEFAULT_MASK_VALUE) for causal and segment-masked keys.
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def _pow2(n: int) -> bool:
@@ -63,7 +60,7 @@ def _padded(n: int) -> int:
     (Triton tiles are powers of two; its dots need 16)."""
     if n % _BLOCK == 0:
         return n
-    return max(16, 1 << (n - 1).bit_length()) if n <= _BLOCK else _round_up(n, _BLOCK)
+    return max(16, 1 << (n - 1).bit_length()) if n <= _BLOCK else round_up(n, _BLOCK)
 
 
 def _plan(lq: int, lk: int) -> tuple[int, int, bool] | None:

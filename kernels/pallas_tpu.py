@@ -44,6 +44,7 @@ from hlotool.kernels.base import (
     KernelCost,
     Support,
     flash_cost,
+    round_up,
     soft_fill_refusal,
     visible_fraction,
 )
@@ -55,12 +56,8 @@ _LANES = 128
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def padded_length(length: int) -> int:
-    return _round_up(length, _LANES)
+    return round_up(length, _LANES)
 
 
 def block_for(padded: int) -> int:
@@ -71,7 +68,7 @@ def block_for(padded: int) -> int:
 def padded_head_dim(d: int, dv: int) -> int:
     """One head dim for q, k and v that upstream accepts: ≤ 128, or a multiple of 128."""
     d = max(d, dv)
-    return d if d <= _LANES else _round_up(d, _LANES)
+    return d if d <= _LANES else round_up(d, _LANES)
 
 
 def _backward_estimate(scores: float, d: int, eqn) -> pl.CostEstimate:

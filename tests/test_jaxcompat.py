@@ -57,11 +57,13 @@ def test_no_jax_src_outside_the_seam():
 
 def test_every_hook_is_found_on_this_jax():
     assert list(jaxcompat.HOOKS) == [
-        "jit lowering", "jaxpr types", "jaxpr evaluation", "dead-code elimination",
-        "source lines", "source exclusion", "platform names", "TPU topologies"]
+        "jit lowering", "jaxpr types", "jaxpr evaluation", "eval context",
+        "dead-code elimination", "source lines", "source exclusion", "platform names",
+        "TPU topologies"]
     assert [h.name for h in jaxcompat.HOOKS.values() if not h.ok] == []
     assert {h.name for h in jaxcompat.HOOKS.values() if h.private} == {
-        "jit lowering", "dead-code elimination", "source lines", "platform names"}
+        "jit lowering", "eval context", "dead-code elimination", "source lines",
+        "platform names"}
     assert all(jaxcompat.missing(f) is None for f in jaxcompat.FEATURES)
     assert jaxcompat.ClosedJaxpr is jax.extend.core.ClosedJaxpr
 
