@@ -91,9 +91,11 @@ def test_rewrite_bad_options(tmp_path):
         f.write("print('ran')\n")
     result = run("rewrite", path, "--kernel", "flash9", "--", "512")
     assert result.exit_code == 2 and "ran" not in result.output
+    from hlotool.kernels import names
+
     assert result.stderr.splitlines() == [
         "hlotool: error: Invalid value for '--kernel': no kernel named 'flash9'; known: auto, "
-        "pallas_tpu, pallas_gpu, chunked, reference (see `hlotool rewrite --help`)"]
+        f"{', '.join(names())} (see `hlotool rewrite --help`)"]
 
 
 DEAD_ATTENTION = """\
