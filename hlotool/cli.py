@@ -240,20 +240,26 @@ def inspect(
     * ? or [ (matched against the whole name), otherwise a substring. Arguments after
     `--` are passed to the script. The script's own output goes to stderr.
     """
-    from hlotool.passes.from_hlo import detect_captured
-    from hlotool.report.sites import render_sites, sites_document
+    from hlotool.passes.from_hlo import detect_hlo
+    from hlotool.passes.kernel_calls import kernel_calls_captured
+    from hlotool.report.sites import render_kernel_calls, render_sites, sites_document
     from hlotool.targets import get_target
 
     names = [get_target(t).name for t in dict.fromkeys(targets)]
     path, functions = _capture(script, script_args)
-    sites = detect_captured(functions)
+    # Detected in the first target's program: a function that calls a TPU kernel lowers for
+    # TPU only (a Pallas TPU call has no CPU lowering outside interpret mode).
+    sites = [s for f in functions
+             for s in detect_hlo(f.hlo(debug_info=True, target=names[0]), f.name)]
+    calls = [c for t in names for c in kernel_calls_captured(functions, t)]
     with_sites = {s.function for s in sites}
     failed = _compile(functions, names, lambda f, t: t == names[0] or f.name in with_sites)
     rows = [(f, _instruction_counts(f, names[0], failed)) for f in functions]
     fates = _native_fates(functions, sites, names, failed)
     term = Term.of()
     if as_json:
-        doc = sites_document(sites, **_inspect_report(path, names, rows))
+        doc = sites_document(sites, kernels=[c.to_json() for c in calls],
+                             **_inspect_report(path, names, rows))
         for entry, by_target in zip(doc["sites"], fates):
             entry["native"] = {t: fate if isinstance(fate, dict) else fate.to_json()
                                for t, fate in by_target.items()}
@@ -267,6 +273,9 @@ def inspect(
         if sites:
             out += [render_sites(sites, term), f"\nWhat XLA does natively ({', '.join(names)}):",
                     _native_table(fates, term)]
+        if calls:
+            out += [f"\n{len(calls)} call{'s' if len(calls) != 1 else ''} already in an "
+                    f"attention kernel ({', '.join(names)})", render_kernel_calls(calls, term)]
         if verbose:
             for f in functions:
                 out.append(f"\n{f.index} {printable(f.name)}  "
