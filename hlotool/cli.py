@@ -861,6 +861,68 @@ def cost(script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as
                       plot_shown=plot_path, force=force, term=term), term)
 
 
+@cli.command(
+    cls=_ScriptCommand,
+    short_help="Run SCRIPT, then trace native and rewritten programs on this host.",
+    epilog="""\b
+Examples:
+  hlotool profile examples/causal_decoder.py -- --seq-len 1024
+  hlotool profile examples/causal_decoder.py:forward --trace prof/ -- --seq-len 2048
+  tensorboard --logdir prof/     # or XProf: both runs of each function side by side""",
+)
+@_script_argument
+@_kernel_option("Kernel flash_jit uses: auto (the cost model's choice per platform) or a "
+                "name from hlotool.kernels.")
+@click.option("--trace", "trace_dir", type=click.Path(file_okay=False),
+              help="Directory for the jax.profiler traces (kept; default: a new temporary "
+              "directory, printed). A directory holding files hlotool did not write is "
+              "refused unless --force.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Traced calls of each program, after one untraced warm-up call.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@_force_option
+@_fail_cleanly
+def profile(script: str, script_args: tuple[str, ...], kernel: str, trace_dir: str | None,
+            repeats: int, as_json: bool, force: bool) -> None:
+    """Run SCRIPT, then run each function native and as flash_jit rewrites it on this host
+    under jax.profiler, and print per-site time from the traces beside the cost model's.
+
+    Each function with a site rewritten for the CPU is compiled both ways, warmed up and run
+    --repeats times per trace, on random inputs of its argument shapes. Per site: the time of
+    its ops in each trace (a rewritten site's ops carry its hlotool/siteN:FILE:LINE scope; a
+    native site's are the fusions XLA put its work in), their ratio, and the cost model's
+    predicted native and kernel times for the host. Per function: wall and op time per call.
+    The traces stay in --trace (TRACE/NNN_jit_NAME/native and …/rewritten) for TensorBoard
+    or XProf; the path is printed. SCRIPT:NAME and `--` script arguments work as for
+    `inspect`.
+    """
+    from hlotool.report.profile import (
+        check_trace_dir, list_in_manifest, profile_function, render_profile,
+    )
+
+    if trace_dir is not None:
+        where = check_trace_dir(trace_dir, force)
+    else:
+        where = tempfile.mkdtemp(prefix="hlotool-profile-")
+    path, functions = _capture(script, script_args)
+    profiles = []
+    for f in functions:
+        with progress(f"tracing {f.name} native and rewritten ({repeats} calls each)"):
+            profiles.append(profile_function(f, where, kernel, repeats))
+        if profiles[-1].traces:
+            list_in_manifest(where, [f.file_stem])
+    if as_json:
+        click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,
+                               "trace_dir": where, "repeats": repeats,
+                               "functions": [p.to_json() for p in profiles]}, indent=2))
+    else:
+        term = Term.of()
+        _echo(render_profile(profiles, term), term)
+    traced = [p for p in profiles if p.traces]
+    click.echo(f"traces: {printable(where)}" if traced else
+               f"nothing traced (an empty {printable(where)} is left)", err=as_json)
+
+
 def main() -> None:
     """Console entry point (``hlotool``, ``python -m hlotool``)."""
     default_jax_platforms()
