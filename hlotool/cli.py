@@ -564,9 +564,17 @@ Examples:
               help="Steps around each changed site drawn in the pictures.")
 @click.option("-o", "--output", "output", type=click.Path(),
               help="HTML report file; with --format, the directory for the pieces.")
-@click.option("--format", "fmt", type=click.Choice(("svg", "png", "dot", "txt")),
+@click.option("--format", "fmt", type=click.Choice(("svg", "png", "dot", "txt",
+                                                    "model-explorer")),
               help="Write pieces instead of one HTML report: each site's native/rewritten "
-              "picture (svg, png, dot) or each function's text diff (txt).")
+              "picture (svg, png, dot), each function's text diff (txt), or both programs "
+              "as Model Explorer graphs with change, FLOPs and bytes overlays "
+              "(model-explorer: native.json, rewritten.json, NAME.OVERLAY.json).")
+@click.option("--open", "open_viewer", is_flag=True,
+              help="With --format model-explorer: start Model Explorer on localhost with "
+              "both graphs (pip install \"hlotool[explorer]\"); Ctrl-C stops it.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True,
+              help="With --open: Model Explorer's port.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document on stdout: per function the change counts and "
               "the memory of both programs.")
@@ -574,8 +582,8 @@ Examples:
 @_force_option
 @_fail_cleanly
 def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, kernel: str,
-         hops: int, output: str | None, fmt: str | None, as_json: bool,
-         fail_on_memory_growth: bool, force: bool) -> None:
+         hops: int, output: str | None, fmt: str | None, open_viewer: bool, port: int,
+         as_json: bool, fail_on_memory_growth: bool, force: bool) -> None:
     """Run SCRIPT and diff each compiled function, native vs hlotool.flash_jit.
 
     Instructions are matched by structure (opcode, shape, operands), not by XLA's names.
@@ -593,6 +601,10 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
     compile_target = get_target(target)
     if fmt is not None and output is None:
         raise HlotoolError(f"--format {fmt} writes files: name a directory with -o")
+    if open_viewer and fmt != "model-explorer":
+        raise HlotoolError("--open starts Model Explorer: use it with --format model-explorer")
+    if open_viewer:
+        _need_model_explorer()
     if fmt is not None:
         where = _output_dir(output)
     elif output is not None:
@@ -616,7 +628,15 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
             _echo(term.wrap(printable(note), "  ", "    "), term)
         return
     files_made = fmt is not None or output is not None
-    if fmt is not None:
+    if fmt == "model-explorer":
+        from hlotool.report.model_explorer import open_command, write_model_explorer
+
+        for file in write_model_explorer(diffs, where, force=force):
+            click.echo(printable(os.path.join(output, os.path.basename(file))), err=as_json)
+        if not open_viewer:
+            _echo(term.wrap("open both: " + " ".join(open_command(output)), "", "  "), term,
+                  err=True)
+    elif fmt is not None:
         with progress(f"drawing {fmt} pieces"):
             files = render.write_pieces(diffs, where, fmt, hops, force=force)
         for file in files:
@@ -643,7 +663,30 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
                   + render_memory(memory, term), term, err=files_made)
         for note in notes:
             _echo(term.wrap(f"skipped {printable(note)}", "", "  "), term, err=files_made)
+    if open_viewer:
+        _serve_model_explorer(where, port)
     _memory_gate(memory, fail_on_memory_growth)
+
+
+def _need_model_explorer() -> None:
+    """Fail before the script runs when --open cannot start the viewer."""
+    import importlib.util
+
+    if importlib.util.find_spec("model_explorer") is None:
+        raise HlotoolError('--open needs Model Explorer: pip install "hlotool[explorer]" '
+                           "(or ai-edge-model-explorer)")
+
+
+def _serve_model_explorer(directory: str, port: int) -> None:
+    """Run Model Explorer on localhost until Ctrl-C, which ends the command normally."""
+    from hlotool.report.model_explorer import serve
+
+    click.echo(f"starting Model Explorer on http://localhost:{port} (Ctrl-C stops it)",
+               err=True)
+    try:
+        serve(directory, port=port)
+    except KeyboardInterrupt:
+        click.echo("Model Explorer stopped", err=True)
 
 
 def _diff_function(f: CapturedFunction, stage: str, target: Target, kernel: str
