@@ -31,7 +31,7 @@ attend(q, q, q)
 FILES = ["native.json", "native.change.json", "native.flops.json", "native.bytes.json",
          "rewritten.json", "rewritten.change.json", "rewritten.flops.json",
          "rewritten.bytes.json"]
-GRAPH = "attend (hlo, cpu)"
+GRAPH = {"native": "native: attend (hlo, cpu)", "rewritten": "rewritten: attend (hlo, cpu)"}
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +59,13 @@ def test_it_writes_both_graphs_and_their_overlays(written):
         doc = load(out, f"{side}.json")
         assert doc["label"] == side
         (graph,) = doc["graphs"]
-        assert graph["id"] == GRAPH  # one id on both sides: the two panes line up
+        assert graph["id"] == GRAPH[side]  # the viewer renames an id another model has
         ids = {n["id"] for n in graph["nodes"]}
         for node in graph["nodes"]:
             for edge in node["incomingEdges"]:
                 assert edge["sourceNodeId"] in ids, (node["id"], edge)
         for overlay in ("change", "flops", "bytes"):
-            data = load(out, f"{side}.{overlay}.json")[GRAPH]
+            data = load(out, f"{side}.{overlay}.json")[GRAPH[side]]
             assert set(data["results"]) == ids
 
 
@@ -75,7 +75,7 @@ def test_the_site_is_one_namespace_removed_on_the_left_added_on_the_right(writte
     for side, status, colour in (("native", "removed", "#f4b6b6"),
                                  ("rewritten", "added", "#b9e4b0")):
         (graph,) = load(out, f"{side}.json")["graphs"]
-        change = load(out, f"{side}.change.json")[GRAPH]["results"]
+        change = load(out, f"{side}.change.json")[GRAPH[side]]["results"]
         # The site's own level; bodies nested in it are matched instruction by instruction.
         in_site = [n for n in graph["nodes"] if n["namespace"] == site]
         assert in_site
@@ -87,7 +87,7 @@ def test_the_site_is_one_namespace_removed_on_the_left_added_on_the_right(writte
         assert "L×L buffers" in graph["groupNodeAttributes"][site]["change"]
     # The native site's two matmuls are its FLOPs: 2·L·L·D each, per head.
     (native,) = load(out, "native.json")["graphs"]
-    flops = load(out, "native.flops.json")[GRAPH]["results"]
+    flops = load(out, "native.flops.json")[GRAPH["native"]]["results"]
     dots = [n["id"] for n in native["nodes"] if n["label"] == "dot"]
     assert sorted(flops[d]["value"] for d in dots) == [2 * 2 * 1024 * 1024 * 64] * 2
     # The kernel's loop body is a namespace inside the site's.
@@ -153,7 +153,8 @@ def test_open_serves_both_graphs_on_localhost(tmp_path, monkeypatch, written):
 
     def fake_visualize(config, host, port):
         seen.update(host=host, port=port, models=[m["url"] for m in config.model_sources],
-                    data=list(config.node_data_sources))
+                    data=list(config.node_data_sources),
+                    targets=list(config.node_data_target_models))
         raise KeyboardInterrupt  # the user's Ctrl-C
 
     monkeypatch.setattr(model_explorer, "visualize_from_config", fake_visualize)
@@ -166,4 +167,8 @@ def test_open_serves_both_graphs_on_localhost(tmp_path, monkeypatch, written):
     assert (seen["host"], seen["port"]) == ("localhost", 8123)
     assert seen["models"] == [str(out / "native.json"), str(out / "rewritten.json")]
     assert len(seen["data"]) == 6
+    # Each side's overlays go to that side's collection (the viewer matches its label).
+    assert seen["targets"] == ["native"] * 3 + ["rewritten"] * 3
+    assert all(os.path.basename(d).startswith(t + ".") for d, t in zip(seen["data"],
+                                                                        seen["targets"]))
     assert result.stderr.strip().splitlines()[-1] == "Model Explorer stopped"

@@ -10,8 +10,8 @@ bgColor}}, gradient}). This module writes those as plain JSON, so hlotool needs 
 Explorer to write them; the tests read them back through the package's own dataclasses.
 
 Written into the directory: `native.json` and `rewritten.json` (one graph per function,
-the same graph id on both sides so the viewer's two panes line up) and per side three
-overlays: `*.change.json` (−1 removed, 0 kept, +1 added, coloured), `*.flops.json` and
+``native: NAME (STAGE, TARGET)`` and ``rewritten: …``: the viewer renames a graph id another
+model already uses, so each side has its own) and per side three overlays: `*.change.json` (−1 removed, 0 kept, +1 added, coloured), `*.flops.json` and
 `*.bytes.json`. Nodes are grouped by namespace: an attention site's instructions under
 ``siteN FILE:LINE`` on both sides (the ones the rewrite removed on the left, the kernel it
 added on the right), a fusion's body under the fusion's name, a loop's body under the loop.
@@ -189,8 +189,9 @@ def _sides(d: FunctionDiff) -> dict[str, _Side]:
     return out
 
 
-def _graph_id(d: FunctionDiff) -> str:
-    return f"{d.function} ({d.stage}, {d.target})"
+def graph_id(d: FunctionDiff, side: str) -> str:
+    """The graph's id in side `side`'s collection (and in that side's overlays)."""
+    return f"{side}: {d.function} ({d.stage}, {d.target})"
 
 
 def _overlay(name: str, values: dict[str, float], side: _Side) -> dict[str, Any]:
@@ -215,7 +216,6 @@ def documents(diffs: Sequence[FunctionDiff]) -> dict[str, dict[str, Any]]:
     graphs: dict[str, list[dict[str, Any]]] = {"native": [], "rewritten": []}
     overlays: dict[tuple[str, str], dict[str, Any]] = {}
     for d in diffs:
-        gid = _graph_id(d)
         sides = _sides(d)
         group_attrs = {}
         for k, change in enumerate(d.changes, 1):
@@ -227,6 +227,7 @@ def documents(diffs: Sequence[FunctionDiff]) -> dict[str, dict[str, Any]]:
                 f"{list(s.v_shape)}", "mask": s.mask,
                 "change": d.diff.stats(change.removed, change.added, s).line()}
         for name, side in sides.items():
+            gid = graph_id(d, name)
             graphs[name].append({
                 "id": gid, "nodes": side.nodes,
                 "groupNodeAttributes": {"": {"function": d.function, "stage": d.stage,
@@ -271,6 +272,7 @@ def serve(directory: str, host: str = "localhost", port: int = 8080) -> None:
         config.add_model_from_path(os.path.join(directory, f"{name}.json"))
     for name, _ in SIDES:
         for overlay in OVERLAYS:
+            # The viewer matches an overlay's model by the collection's label.
             config.add_node_data_from_path(os.path.join(directory, f"{name}.{overlay}.json"),
-                                           model_name=f"{name}.json")
+                                           model_name=name)
     model_explorer.visualize_from_config(config, host=host, port=port)
