@@ -240,8 +240,10 @@ def inspect(
     what XLA does with it natively: the fusions and custom calls of the optimized program
     that hold its work (XLA:TPU's own online-softmax shows here) and the [.., Lq, Lk]
     score buffers that remain; a program too big for a TPU's HBM is reported as that
-    finding. Also lists each function with its arguments and program size per stage for
-    the first --target.
+    finding. Calls the program already makes into an attention kernel (hlotool's own
+    rewrite, jax's Pallas flash/splash/mha, cuDNN fused attention, tokamax) are listed per
+    --target as "already a kernel" with their shapes (--json: "kernels"). Also lists each
+    function with its arguments and program size per stage for the first --target.
 
     SCRIPT:NAME keeps only functions whose name matches NAME: a glob when NAME contains
     * ? or [ (matched against the whole name), otherwise a substring. Arguments after

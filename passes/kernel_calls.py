@@ -340,7 +340,8 @@ def find_kernel_calls(module: Module | str, function: str = "") -> list[KernelCa
             if inst.opcode == "call" and entry["call"] is None and \
                     full.endswith(scope.group(0) + "/jit(hlotool_flash)"):
                 entry["call"] = (comp, inst)
-            if inst.opcode == "custom-call" and entry["qkv"] is None:
+            if inst.opcode == "custom-call" and entry["qkv"] is None and \
+                    inst.custom_call_target in _PALLAS_TARGETS:  # the kernel's own call
                 entry["qkv"] = _qkv([leaf for s in _operand_shapes(comp, inst)
                                      for leaf in _leaves(s)])
             continue
