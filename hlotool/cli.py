@@ -26,7 +26,7 @@ import click
 from hlotool import __version__
 from hlotool.errors import (
     EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_INTERNAL, EXIT_INTERRUPTED, HlotoolError,
-    check_overwrite, write_output,
+    check_overwrite, first_line, write_output,
 )
 from hlotool.hardware import HARDWARE, get_hardware
 from hlotool.report.console import Term, printable, progress
@@ -88,7 +88,7 @@ def _fail_cleanly(command: Callable[..., None]) -> Callable[..., None]:
         except Exception as e:
             if debug:
                 traceback.print_exception(e)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            first = first_line(e)
             _error(f"internal error: {type(e).__name__}: {first} "
                    "(rerun with --debug for the traceback)")
             sys.exit(EXIT_INTERNAL)
@@ -228,10 +228,14 @@ Examples:
               help=f"Exit with status {EXIT_FINDINGS} when an attention site is found (for "
               f"CI; errors exit {EXIT_BAD_INPUT} or {EXIT_INTERNAL}).")
 @click.option("-v", "--verbose", is_flag=True, help="Also list every argument by name.")
+@click.option("--why-not", is_flag=True,
+              help="Also list near misses: an exp between two dots that is not attention, with "
+              "its source line and the first rule it breaks (a where(mask, p, 0) after the "
+              "softmax, tanh soft-capping, a head mask, ...).")
 @_fail_cleanly
 def inspect(
     script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as_json: bool,
-    fail_on_sites: bool, verbose: bool,
+    fail_on_sites: bool, verbose: bool, why_not: bool,
 ) -> None:
     """Run SCRIPT and report every attention site in the functions JAX compiled.
 
@@ -249,17 +253,21 @@ def inspect(
     * ? or [ (matched against the whole name), otherwise a substring. Arguments after
     `--` are passed to the script. The script's own output goes to stderr.
     """
-    from hlotool.passes.from_hlo import detect_hlo
+    from hlotool.passes.from_hlo import detect_hlo, near_misses_hlo
     from hlotool.passes.kernel_calls import kernel_calls_captured
-    from hlotool.report.sites import render_kernel_calls, render_sites, sites_document
+    from hlotool.report.sites import (
+        render_kernel_calls, render_near_misses, render_sites, sites_document,
+    )
     from hlotool.targets import get_target
 
     names = [get_target(t).name for t in dict.fromkeys(targets)]
     path, functions = _capture(script, script_args)
     # Detected in the first target's program: a function that calls a TPU kernel lowers for
     # TPU only (a Pallas TPU call has no CPU lowering outside interpret mode).
-    sites = [s for f in functions
-             for s in detect_hlo(f.hlo(debug_info=True, target=names[0]), f.name)]
+    programs = [(f, f.hlo(debug_info=True, target=names[0])) for f in functions]
+    sites = [s for f, text in programs for s in detect_hlo(text, f.name)]
+    misses = [m for f, text in programs for m in near_misses_hlo(text, f.name)] \
+        if why_not else []
     calls = [c for t in names for c in kernel_calls_captured(functions, t)]
     with_sites = {s.function for s in sites}
     failed = _compile(functions, names, lambda f, t: t == names[0] or f.name in with_sites)
@@ -272,6 +280,8 @@ def inspect(
         for entry, by_target in zip(doc["sites"], fates):
             entry["native"] = {t: fate if isinstance(fate, dict) else fate.to_json()
                                for t, fate in by_target.items()}
+        if why_not:
+            doc["near_misses"] = [m.to_json() for m in misses]
         click.echo(json.dumps(doc, indent=2))
     else:
         out = [term.wrap(
@@ -285,6 +295,9 @@ def inspect(
         if calls:
             out += [f"\n{len(calls)} call{'s' if len(calls) != 1 else ''} already in an "
                     f"attention kernel ({', '.join(names)})", render_kernel_calls(calls, term)]
+        if why_not:
+            out += [f"\n{len(misses)} near miss{'es' if len(misses) != 1 else ''} (almost "
+                    "attention, not detected)", render_near_misses(misses, term)]
         if verbose:
             for f in functions:
                 out.append(f"\n{f.index} {printable(f.name)}  "

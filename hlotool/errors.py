@@ -29,6 +29,12 @@ class HlotoolError(Exception):
     exit_code = EXIT_BAD_INPUT
 
 
+def first_line(error: BaseException) -> str:
+    """An exception as one line: its first non-blank line, or its type's name."""
+    lines = [ln for ln in str(error).splitlines() if ln.strip()]
+    return lines[0].strip() if lines else type(error).__name__
+
+
 class HloParseError(HlotoolError):
     """Malformed HLO text; the message names line and column."""
 

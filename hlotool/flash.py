@@ -27,12 +27,14 @@ from jax._src import core
 
 from hlotool import kernels
 from hlotool.cost.decision import decide
-from hlotool.errors import HlotoolError
+from hlotool.errors import HlotoolError, first_line
 from hlotool.kernels.registry import PLATFORMS
 from hlotool.kernels.sharded import mesh_of, on_mesh
 from hlotool.passes import lower
 from hlotool.passes.from_jaxpr import JaxprSite, describe_path, detect_jaxpr, jaxpr_at
-from hlotool.passes.rewrite import Replacement, RewriteError, check, free_inputs, native, rewrite
+from hlotool.passes.rewrite import (
+    Replacement, RewriteError, check, free_inputs, rewrite, site_equations,
+)
 from hlotool.site import AttentionSite
 
 
@@ -135,13 +137,13 @@ def replacement(jaxpr: core.Jaxpr, site: JaxprSite, form: lower.KernelForm,
     around the kernel call, never inside a Pallas kernel body (jax#40637: scopes there can
     constrain scheduling)."""
     inputs = free_inputs(jaxpr, site)
-    naive = native(jaxpr, site)
+    own = site_equations(jaxpr, site)
 
     def branch(name: str | None) -> Callable[..., jax.Array]:
         def run(*xs):
             values = dict(zip(inputs, xs))
             if name is None:
-                return naive(values)
+                return own(values)
             with jax.named_scope(name):
                 call, nan_rows = lower.operands(form, site, values)
                 out = on_mesh(kernels.get(name).run, call, mesh)
@@ -233,7 +235,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]
     try:
         closed, shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
     except TypeError as err:
-        raise HlotoolError(f"cannot trace {name_of(fn)}: {err}".splitlines()[0]) from err
+        raise HlotoolError(f"cannot trace {name_of(fn)}: {first_line(err)}") from err
     out_tree = jax.tree.structure(shape)
     return closed, dyn, lambda outs: jax.tree.unflatten(out_tree, outs)
 

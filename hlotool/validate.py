@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 
+from hlotool.errors import first_line
 from hlotool.flash import Rewritten, name_of, plan_program, site_key, trace
 
 # Relative tolerance (max |a - b| / max |b|) by dtype of the compared value.
@@ -202,8 +203,7 @@ class Validated:
             worst, rescued = compare(got[0], want[0])
             worst_grad, rescued_grad = compare(got[1], want[1])
         except Exception as exc:  # noqa: BLE001 - any kernel failure means: keep native
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            return f"{type(exc).__name__}: {first}", False
+            return f"{type(exc).__name__}: {first_line(exc)}", False
         worst = worst or worst_grad
         if worst is None:
             return None, rescued or rescued_grad

@@ -36,7 +36,7 @@ import abc
 import dataclasses
 import functools
 import math
-from typing import Callable, ClassVar
+from typing import ClassVar, Required, TypedDict, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +193,18 @@ def _broadcast_operand(x: jax.Array, name: str, full: tuple[int, ...]) -> jax.Ar
     return x4
 
 
+class CallOptions(TypedDict, total=False):
+    """The keyword arguments of every kernel call (module docstring): written once, here."""
+
+    scale: Required[float | None]
+    bias: jax.Array | None
+    mask: jax.Array | None
+    causal: bool
+    kv_lengths: jax.Array | None
+    fill: float
+    layout: str
+
+
 def make_call(
     q: jax.Array,
     k: jax.Array,
@@ -206,7 +218,8 @@ def make_call(
     fill: float = -math.inf,
     layout: str = "BLHD",
 ) -> Call:
-    """Validate one call's arguments and bring them to canonical [B, L, H, D] terms."""
+    """Validate one call's arguments (`CallOptions`) and bring them to canonical
+    [B, L, H, D] terms."""
     if layout not in LAYOUTS:
         raise KernelError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     fill = float(fill)
@@ -291,25 +304,11 @@ class AttentionKernel(abc.ABC):
         """Whether this call hides any key from any query (adapters that pad add theirs)."""
         return call.features.hides_keys
 
-    def __call__(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        *,
-        scale: float | None,
-        bias: jax.Array | None = None,
-        mask: jax.Array | None = None,
-        causal: bool = False,
-        kv_lengths: jax.Array | None = None,
-        fill: float = -math.inf,
-        layout: str = "BLHD",
-    ) -> jax.Array:
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array,
+                 **options: Unpack[CallOptions]) -> jax.Array:
         """Attention output in `layout`: [B, Lq, Hq, Dv] ("BLHD") or [B, Hq, Lq, Dv] ("BHLD")."""
-        call = make_call(q, k, v, scale=scale, bias=bias, mask=mask, causal=causal,
-                         kv_lengths=kv_lengths, fill=fill, layout=layout)
-        out = self.run(call)
-        return out if layout == "BLHD" else jnp.swapaxes(out, 1, 2)
+        out = self.run(make_call(q, k, v, **options))
+        return out if options.get("layout", "BLHD") == "BLHD" else jnp.swapaxes(out, 1, 2)
 
     def run(self, call: Call) -> jax.Array:
         """[B, Lq, Hq, Dv] for a canonical call (see `make_call`); raises `KernelError` when

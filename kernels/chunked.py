@@ -51,6 +51,7 @@ class _Static:
     kv_len: int  # unpadded; keys at and beyond it are padding, never seen
     causal: bool
     fill: float  # logit of a hidden key
+    scale: float  # applied to each f32 score tile; 1.0 when q came in pre-scaled
 
     @property
     def skipped_keys_count(self) -> bool:
@@ -82,6 +83,8 @@ def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static
     tile is one batched matmul per K/V head.
     """
     s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=jnp.float32)
+    if st.scale != 1.0:
+        s = s * st.scale
     b, hkv, rows, bk = s.shape
     s = s.reshape(b, hkv, rows // st.block_q, st.block_q, bk)
     if bias is not None:
@@ -225,6 +228,9 @@ def _backward(q, k, v, bias, mask, kv_lengths, out, m, l, do, st: _Static):
             ds = p * (dp - delta_i[..., None])
             if visible is not None:
                 ds = jnp.where(visible, ds, 0.0)
+            dbias_tile = ds
+            if st.scale != 1.0:
+                ds = ds * st.scale  # d(scale·q·k) w.r.t. q·k
             dk_j = dk_j + jnp.einsum("bhqk,bhqd->bhkd", ds, q_i,
                                      preferred_element_type=jnp.float32)
             dq_i = _rows(dq, i, st) + jnp.einsum("bhqk,bhkd->bhqd", ds, k_j,
@@ -232,9 +238,9 @@ def _backward(q, k, v, bias, mask, kv_lengths, out, m, l, do, st: _Static):
             dq = lax.dynamic_update_slice_in_dim(
                 dq, dq_i.reshape(b, hkv, g, st.block_q, d), i * st.block_q, axis=3)
             if dbias is not None:
-                ds = ds.reshape(b, hkv, g, st.block_q, -1)
+                ds_b = dbias_tile.reshape(b, hkv, g, st.block_q, -1)
                 axes = tuple(a for a in range(5) if dbias.shape[a] == 1)
-                ds_b = jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+                ds_b = jnp.sum(ds_b, axis=axes, keepdims=True) if axes else ds_b
                 starts = (0, 0, 0, i * st.block_q if dbias.shape[3] != 1 else 0,
                           j * st.block_k if dbias.shape[4] != 1 else 0)
                 ds_b = ds_b + lax.dynamic_slice(dbias, starts, ds_b.shape)
@@ -328,9 +334,13 @@ class Chunked(AttentionKernel):
         g = hq // hkv
         bq, bk = _block(lq, self.block_q), _block(lk, self.block_k)
         lq_p, lk_p = _cdiv(lq, bq) * bq, _cdiv(lk, bk) * bk
-        st = _Static(bq, bk, lk, call.causal, call.fill)
-        # Scaling q (L·D) is cheaper than scaling every score tile (L·L).
-        q = (call.q * jnp.asarray(call.scale, call.q.dtype)).reshape(b, lq, hkv, g, d)
+        # Scaling q (L·D) is cheaper than scaling every score tile (L·L), but in a narrow
+        # dtype it rounds q (and a scale of 1e6 is inf in float16): there the f32 tiles are
+        # scaled instead, as the naive program scales its scores.
+        wide = jnp.dtype(call.q.dtype).itemsize >= 4
+        st = _Static(bq, bk, lk, call.causal, call.fill, 1.0 if wide else call.scale)
+        q = call.q * jnp.asarray(call.scale, call.q.dtype) if wide else call.q
+        q = q.reshape(b, lq, hkv, g, d)
         q = _pad_axis(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, lq_p)
         k = _pad_axis(jnp.swapaxes(call.k, 1, 2), 2, lk_p)
         v = _pad_axis(jnp.swapaxes(call.v, 1, 2), 2, lk_p)

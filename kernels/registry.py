@@ -7,12 +7,11 @@ rewritten sites both go through it.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any, Callable, Hashable, Mapping, Unpack
 
 import jax
 
-from hlotool.kernels.base import AttentionKernel, Features, KernelError, make_call
+from hlotool.kernels.base import AttentionKernel, CallOptions, Features, KernelError, make_call
 from hlotool.kernels.chunked import Chunked
 from hlotool.kernels.pallas_gpu import PallasGpuFlash
 from hlotool.kernels.pallas_tpu import PallasTpuFlash
@@ -82,20 +81,8 @@ def per_platform(choices: Mapping[str, Hashable], branch: Callable[[Any], Callab
     return jax.lax.platform_dependent(*args, **own, default=branch(default))
 
 
-def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    scale: float | None,
-    bias: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    causal: bool = False,
-    kv_lengths: jax.Array | None = None,
-    fill: float = -math.inf,
-    layout: str = "BLHD",
-    kernel: str = "auto",
-) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kernel: str = "auto",
+              **options: Unpack[CallOptions]) -> jax.Array:
     """Attention with the kernel call convention (see `hlotool.kernels.base`).
 
     kernel="auto" stages one branch per platform with `jax.lax.platform_dependent`, each the
@@ -103,18 +90,16 @@ def attention(
     with the Pallas TPU kernel and runs on CPU with the chunked one. A kernel name forces that
     kernel everywhere.
     """
-    kwargs = dict(scale=scale, bias=bias, mask=mask, causal=causal, kv_lengths=kv_lengths,
-                  fill=fill, layout=layout)
     if kernel != "auto":
-        return get(kernel)(q, k, v, **kwargs)
-    call = make_call(q, k, v, **kwargs)
+        return get(kernel)(q, k, v, **options)
+    call = make_call(q, k, v, **options)
     site, features = call.site(), call.features
     chosen = {p: select(site, p, features)[0].name for p in PLATFORMS}
+    arrays = ("bias", "mask", "kv_lengths")
 
     def branch(name: str):
-        def run(q, k, v, bias, mask, kv_lengths):
-            return get(name)(q, k, v, scale=scale, bias=bias, mask=mask, causal=causal,
-                             kv_lengths=kv_lengths, fill=fill, layout=layout)
+        def run(q, k, v, *operands):
+            return get(name)(q, k, v, **{**options, **dict(zip(arrays, operands))})
         return run
 
-    return per_platform(chosen, branch, q, k, v, bias, mask, kv_lengths)
+    return per_platform(chosen, branch, q, k, v, *(options.get(a) for a in arrays))

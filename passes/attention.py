@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from hlotool.errors import HlotoolError
-from hlotool.passes import axes
+from hlotool.passes import axes, masks
 from hlotool.passes.logits import Logits, replay
 from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, fold, strip, uniform_value
 from hlotool.passes.pattern import Alt, Any, Chain, Const, Link, Op, Same, Step, Through
@@ -172,10 +172,21 @@ def find(graph: Graph, function: str = "") -> list[Match]:
     for root in graph.anchors("dot_general"):
         for m in ATTENTION.match(root, {}):
             match = describe(m, position, function)
-            if match is not None:
+            if isinstance(match, Match):
                 found.append(dataclasses.replace(match, region=graph.path))
                 break
     return found
+
+
+def rejection(graph: Graph, out: Node) -> str | None:
+    """Why the dot `out` is no attention though the pattern's structure matches it: the
+    first rule the best candidate breaks; None when the structure does not match at all."""
+    position = {id(n): i for i, n in enumerate(graph.nodes)}
+    for m in ATTENTION.match(out, {}):
+        why = describe(m, position)
+        if isinstance(why, str):
+            return why
+    return None
 
 
 # ----------------------------------------------------------------------------------------
@@ -183,18 +194,19 @@ def find(graph: Graph, function: str = "") -> list[Match]:
 
 
 class _Reject(Exception):
-    """The structure matched but shapes say it is not attention."""
+    """The structure matched but shapes say it is not attention; the message says why."""
 
 
-def describe(m: dict, position: dict[int, int], function: str = "") -> Match | None:
-    """Check a structural match along its axes and describe it; None if not attention.
+def describe(m: dict, position: dict[int, int], function: str = "") -> Match | str:
+    """Check a structural match along its axes and describe it; or, when it is not attention,
+    the first rule it breaks.
 
     `position` maps id(node) to its index in program order.
     """
     try:
         return _describe(m, position, function)
-    except _Reject:
-        return None
+    except _Reject as why:
+        return str(why)
     except (ArithmeticError, LookupError, ValueError, TypeError) as e:
         out = m["out"]
         raise HlotoolError(
@@ -233,7 +245,7 @@ def _follow(path: tuple[Link | Node, ...], labels: axes.Labels) -> axes.Labels:
                         else (step, True))
         labels = axes.forward(node, labels) if layout else labels
         if labels is None or len(labels) != len(node.shape):
-            raise _Reject
+            raise _Reject(f"a {node.op} the axis labels cannot follow")
     return labels
 
 
@@ -253,13 +265,14 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         # The max may read the logits in another layout (jax.nn.dot_product_attention).
         max_in = _labels_on_chain(m["row_max"].inputs[0], scores, score_labels, logits_links)
         if frozenset().union(*(max_in[a] for a in m["row_max"].params["axes"])) != key_tokens:
-            raise _Reject
+            raise _Reject("the row max runs over other axes than the softmax's sum")
     for link in logits_links:
         if any(_depends_on(side, scores, position) for side in link.sides):
-            raise _Reject  # a "bias" computed from the scores themselves
+            raise _Reject("a bias or mask computed from the scores themselves")
     kinds = {t[0] for t in key_tokens}
     if len(key_tokens) != 1 or kinds not in ({"l"}, {"r"}):
-        raise _Reject
+        raise _Reject("the softmax does not run over one free axis of one dot operand (the "
+                      "key axis)")
     kside = kinds.pop()
     qside = "r" if kside == "l" else "l"
     k_labels, q_labels = (left, right) if kside == "l" else (right, left)
@@ -267,9 +280,9 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     k_free = {t for a, lab in enumerate(k_labels) for t in lab
               if t[0] == kside and (k_shape[a] != 1 or t in key_tokens)}
     if k_free != key_tokens:
-        raise _Reject  # K has a free axis the softmax does not run over
+        raise _Reject("K has a free axis the softmax does not run over")
     if any(logits_labels[a] != key_tokens for a in reduced if m["exp"].shape[a] != 1):
-        raise _Reject
+        raise _Reject("the softmax's sum merges the key axis with another")
     (key_token,) = key_tokens
 
     # The second contraction is over that same key axis, and only over it.
@@ -282,9 +295,9 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     v_batch, v_contract = ((od["rhs_batch"], od["rhs_contract"]) if p_at == 0
                            else (od["lhs_batch"], od["lhs_contract"]))
     if {t for a in p_contract for t in probs_labels[a]} != key_tokens:
-        raise _Reject
+        raise _Reject("the second dot does not contract the key axis the softmax runs over")
     if any(key_token in probs_labels[a] for a in range(len(probs_labels)) if a not in p_contract):
-        raise _Reject
+        raise _Reject("the key axis survives the second dot")
     v_node = out.inputs[1 - p_at]
     v_labels = []
     for a in range(len(v_node.shape)):
@@ -316,7 +329,7 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     k_entry, k_entry_labels, k_scale = _trace(k_node, k_labels, qside, head_token)
     v_entry, v_entry_labels, v_scale = _trace(v_node, v_labels, qside, head_token)
     if v_scale != 1.0:
-        raise _Reject  # a scaled V is not a softmax scale
+        raise _Reject("V is scaled by a constant (not a softmax scale)")
     q_layout = roles.layout(q_entry.shape, q_entry_labels, "BLHD")
     k_layout = roles.layout(k_entry.shape, k_entry_labels, "BKHD")
     v_layout = roles.layout(v_entry.shape, v_entry_labels, "BKHE")
@@ -325,7 +338,8 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     bk, lk, hkv, dk = k_layout.canonical
     bv, lv, hv, dv = v_layout.canonical
     if (bk, dk) != (b, d) or (bv, lv, hv) != (b, lk, hkv) or hkv == 0 or hq % hkv:
-        raise _Reject
+        raise _Reject(f"q [B={b}, H={hq}, D={d}], k [B={bk}, L={lk}, H={hkv}, D={dk}] and v "
+                      f"[B={bv}, L={lv}, H={hv}] do not line up as attention")
 
     scale = q_scale * k_scale
     masks, steps = [], []
@@ -385,7 +399,7 @@ def _labels_on_chain(node: Node, scores: Node, score_labels: axes.Labels,
     above = []
     while id(node) not in known:
         if node.op not in LAYOUT_OPS or not node.inputs:
-            raise _Reject
+            raise _Reject(f"the row max reads the logits through a {node.op}")
         above.append(node)
         node = node.inputs[0]
     return _follow(tuple(above), known[id(node)])
@@ -500,7 +514,7 @@ def _query_axes(entry: Node, labels: axes.Labels, qside: str):
     # The first non-unit one; a unit one only when Q has no other (one query: Lq = 1).
     pure_free = [(a, lab) for a, lab in pure if entry.shape[a] != 1] or pure[:1]
     if not pure_free or len(pure_free[0][1]) != 1:
-        raise _Reject
+        raise _Reject("Q has no query-length axis of its own")
     len_axis, (qlen_token,) = pure_free[0]
     batch_axes = [a for a, lab in enumerate(labels) if any(t[0] == "b" for t in lab)]
     head_axis = None
@@ -510,7 +524,7 @@ def _query_axes(entry: Node, labels: axes.Labels, qside: str):
     if head_axis is not None:
         tokens = [t for t in labels[head_axis] if t[0] == "b"]
         if len(tokens) != 1:
-            raise _Reject
+            raise _Reject("Q's head axis merges several batch axes of the dot")
         head_token = tokens[0]
     parts: dict[tuple, list[tuple[str, int]]] = {}
     for a in batch_axes:
@@ -546,14 +560,14 @@ class _Roles:
         for a, (n, lab) in enumerate(zip(shape, labels)):
             if not lab:
                 if n != 1:
-                    raise _Reject
+                    raise _Reject(f"an axis of size {n} that no dot axis explains")
                 out.append((1, "1", ()))
                 continue
             split = [t for t in lab if len(self.parts.get(t, ())) > 1]
             if split:
                 (t,) = split if len(split) == 1 and len(lab) == 1 else (None,)
                 if t is None:
-                    raise _Reject
+                    raise _Reject("an axis merging Q's batch parts with other axes")
                 carriers = [b for b, other in enumerate(labels) if t in other]
                 parts = self.parts[t]
                 if len(carriers) == len(parts):
@@ -562,7 +576,7 @@ class _Roles:
                 elif len(carriers) == 1 and n == int(np.prod([m for _, m in parts])):
                     out.extend((m, role, (t, i)) for i, (role, m) in enumerate(parts))
                 else:
-                    raise _Reject
+                    raise _Reject("batch and heads are split differently from Q")
                 continue
             found = {self.role(t) for t in lab}
             if found <= {"H", "G"}:
@@ -570,7 +584,7 @@ class _Roles:
             elif len(found) == 1:
                 role = found.pop()
             else:
-                raise _Reject
+                raise _Reject(f"an axis that merges {' and '.join(sorted(found))}")
             out.append((n, role, min(lab)))
         return out
 
@@ -582,7 +596,7 @@ class _Roles:
         def group(role: str) -> int:
             g = group_of.get(role, role)
             if g not in order:
-                raise _Reject
+                raise _Reject(f"an axis of role {role} where {order} is expected")
             return order.index(g)
 
         perm = tuple(sorted(range(len(virtual)), key=lambda a: (
@@ -609,8 +623,14 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
         sign, fill = 1.0, uniform_value(fill_node)
         keep_when = link.chain_input == 1
     shape = _broadcast_shape(operand, len(node.shape))
-    value = fold(operand)
     kind = "additive" if link.kind == "bias" else "boolean"
+    structural = _structural_causal(operand, node, labels, roles, link.kind, sign, keep_when)
+    if structural is not None:  # read from iotas and compares: any length
+        if link.kind == "mask":
+            return MaskTerm("causal", node, None, shape, scores_layout, fill=fill)
+        return MaskTerm("causal", node, operand, shape, scores_layout, sign=sign,
+                        fill=structural, via="bias")
+    value = fold(operand)
     if value is not None and _is_causal(value, node, labels, roles, link.kind, sign, keep_when):
         if link.kind == "mask":
             return MaskTerm("causal", node, None, shape, scores_layout, fill=fill)
@@ -620,6 +640,23 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
                     keep_when=keep_when, key_lengths=_key_lengths(operand, keep_when, labels,
                                                                   roles, node),
                     via=link.kind)
+
+
+def _structural_causal(operand: Node, node: Node, labels: axes.Labels, roles: _Roles,
+                       kind: str, sign: float, keep_when: bool) -> float | None:
+    """For a causal mask read from its structure (`passes/masks.py`): the select's fill is
+    already known, so 0.0; for an additive one, the value it adds above the diagonal. None
+    when the structure does not show a top-left causal mask."""
+    qk = _qk_axes(labels, roles)
+    if qk is None or len(operand.shape) != len(node.shape) or any(
+            a not in (1, b) for a, b in zip(operand.shape, node.shape)):
+        return None
+    if kind == "mask":
+        return 0.0 if masks.causal_offset(operand, *qk, hides=not keep_when) == 0 else None
+    found = masks.causal_bias(operand, *qk)
+    if found is None or found[0] != 0 or sign * found[1] > LARGE_NEGATIVE:
+        return None
+    return sign * found[1]
 
 
 def _broadcast_shape(operand: Node, rank: int) -> tuple[int, ...]:

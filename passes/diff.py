@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 import networkx as nx
 
 from hlotool.errors import HlotoolError
-from hlotool.hlo import Computation, Instruction, Module, node_id, parse_module, to_graph
+from hlotool.hlo import Computation, Instruction, Module, as_module, node_id, to_graph
 from hlotool.hlo.ir import CALLED_COMPUTATION_ATTRS, split_names
 from hlotool.hlo.printer import print_instruction
 from hlotool.passes.native import score_sized
@@ -577,14 +577,7 @@ def _is_leaf(inst: Instruction) -> bool:
 
 
 def _as_module(module: Module | str, what: str) -> Module:
-    if isinstance(module, str):
-        module = parse_module(module, source_name=f"<{what}>")
-    if not isinstance(module, Module):
-        raise HlotoolError(f"diff needs HLO Modules or their text; {what} is "
-                           f"{type(module).__name__}")
-    if any(i.opcode == "call" for i in module.instructions()):
-        module = module.inline_calls()
-    return _forward_tuples(module)
+    return _forward_tuples(as_module(module, f"diff's {what}", source=what))
 
 
 def _forward_tuples(module: Module) -> Module:

@@ -13,11 +13,12 @@ from typing import Iterable, Protocol
 
 import numpy as np
 
-from hlotool.errors import HlotoolError
-from hlotool.hlo import Computation, Instruction, Module, parse_module
+from hlotool.hlo import Computation, Instruction, Module, as_module
 from hlotool.passes.attention import Match, find
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, uniform_value, user_source
+from hlotool.passes.near_miss import NearMiss, near_misses
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, uniform_value
 from hlotool.site import AttentionSite
+from hlotool.source import user_source
 
 _DTYPES = {
     "pred": "bool", "f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64",
@@ -117,22 +118,37 @@ def _graph(comp: Computation, module: Module) -> Graph:
 
 def find_matches(module: Module, function: str = "") -> list[Match]:
     """Every attention site in every computation of `module`, with its graph description."""
-    if any(i.opcode == "call" for i in module.instructions()):
-        module = module.inline_calls()
-    matches = []
+    return [m for m, _ in _per_region(module, function) if m is not None]
+
+
+def _per_region(module: Module, function: str) -> list[tuple[Match | None, Graph]]:
+    module = module.inline_calls()
+    out = []
     for comp in module.computations.values():
         if any(i.opcode == "dot" for i in comp.instructions):
-            matches.extend(find(_graph(comp, module), function))
-    return matches
+            graph = _graph(comp, module)
+            found = find(graph, function)
+            out.extend((m, graph) for m in found)
+            if not found:
+                out.append((None, graph))
+    return out
+
+
+def near_misses_hlo(module: Module | str, function: str = "") -> list[NearMiss]:
+    """Almost-attention in `module` that is not a site, each with the first rule it breaks."""
+    module = as_module(module)
+    by_graph: dict[int, tuple[Graph, list[Match]]] = {}
+    for m, graph in _per_region(module, function or module.name):
+        entry = by_graph.setdefault(id(graph), (graph, []))
+        if m is not None:
+            entry[1].append(m)
+    return [miss for graph, found in by_graph.values()
+            for miss in near_misses(graph, found, function or module.name)]
 
 
 def detect_hlo(module: Module | str, function: str = "") -> list[AttentionSite]:
     """The attention sites of pre-optimization HLO (a parsed `Module` or its text)."""
-    if isinstance(module, str):
-        module = parse_module(module)
-    if not isinstance(module, Module):
-        raise HlotoolError(f"detect_hlo needs an HLO Module or its text, got "
-                           f"{type(module).__name__}")
+    module = as_module(module, "detect_hlo", source="hlo")
     return [m.site for m in find_matches(module, function or module.name)]
 
 
@@ -148,3 +164,8 @@ def detect_captured(functions: Iterable[_Captured]) -> list[AttentionSite]:
     for f in functions:
         sites.extend(detect_hlo(f.hlo(debug_info=True), f.name))
     return sites
+
+
+def near_misses_captured(functions: Iterable[_Captured]) -> list[NearMiss]:
+    """Near misses of every captured function, from its pre-optimization HLO."""
+    return [miss for f in functions for miss in near_misses_hlo(f.hlo(debug_info=True), f.name)]

@@ -21,8 +21,10 @@ from jax._src import core, source_info_util
 
 from hlotool.errors import HlotoolError
 from hlotool.passes.attention import Layout, Match, find
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, user_source
+from hlotool.passes.near_miss import NearMiss, near_misses
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node
 from hlotool.site import AttentionSite
+from hlotool.source import user_source
 
 Path = tuple[tuple[int, str], ...]
 
@@ -351,6 +353,12 @@ def detect_jaxpr(closed: core.ClosedJaxpr, function: str = "") -> list[JaxprSite
         sites.extend(s for s in (_to_jaxpr_site(closed, m, readers) for m in find(graph, function))
                      if s.path or s.out is None or s.out in live)
     return sites
+
+
+def near_misses_jaxpr(closed: core.ClosedJaxpr, function: str = "") -> list[NearMiss]:
+    """Almost-attention in `closed` that is not a site, each with the first rule it breaks."""
+    return [miss for graph in regions(closed)
+            for miss in near_misses(graph, find(graph, function), function)]
 
 
 def _live_vars(jaxpr: core.Jaxpr) -> set[Any]:

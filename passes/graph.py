@@ -76,20 +76,6 @@ class Graph:
         return (n for n in self.nodes if n.op == op)
 
 
-_LIBRARY_DIRS = ("site-packages", "dist-packages")
-
-
-def user_source(frames: Iterable[tuple[str, int]]) -> str:
-    """'file:line' of the innermost frame outside installed libraries (flax, haiku, ...),
-    so a site inside a library's attention module points at the user's call."""
-    first = None
-    for file, line in frames:
-        first = first or f"{file}:{line}"
-        if not any(part in file for part in _LIBRARY_DIRS):
-            return f"{file}:{line}"
-    return first or ""
-
-
 def strip(node: Node, ops: Iterable[str] = ("convert", "copy", "stop_gradient")) -> Node:
     """The node under any chain of the given unary ops."""
     ops = frozenset(ops)
@@ -166,6 +152,8 @@ def _fold(node: Node, memo: dict) -> np.ndarray | None:
         return np.broadcast_to(ar.reshape(view), node.shape)
     if not node.inputs:
         return None
+    if node.size > MAX_FOLD_ELEMENTS and op not in ("broadcast", "transpose", "reshape"):
+        return None  # refused before computing it, not after
     args = []
     for x in node.inputs:
         args.append(_fold_memo(x, memo))

@@ -147,7 +147,9 @@ _LIBRARY = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 
 
 def _users_line(inst: Instruction) -> str:
-    """`file:line` of the innermost frame outside installed packages, or ""."""
+    """`file:line` of the innermost frame outside installed packages, or "" — unlike
+    `hlotool.source.user_source`, which falls back to a library frame: here a caller up the
+    chain may still have the user's line."""
     for frame in inst.stack:
         if not _LIBRARY.search(frame.file):
             return f"{frame.file}:{frame.line}"

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hlotool.errors import HlotoolError
-from hlotool.hlo import Instruction, Module, Shape, parse_module
+from hlotool.hlo import Instruction, Module, Shape, as_module
 from hlotool.passes.attention import Match
 from hlotool.passes.from_hlo import find_matches
 from hlotool.site import AttentionSite
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 # Instructions that only run other computations as whole programs (their bodies are scanned
 # as program levels of their own), unlike fusions and reducers.
-_CONTROL = frozenset({"while", "conditional", "call"})
+_LEVEL_CALLS = frozenset({"while", "conditional", "call"})
 # Instructions that only relabel a value (no work, no buffer of their own).
 _VIEWS = frozenset({"bitcast", "get-tuple-element", "tuple"})
 ONLINE_SOFTMAX = "online-softmax"
@@ -120,11 +120,11 @@ def native_fate(function: CapturedFunction, target: str | Target = "cpu") -> lis
     from hlotool.targets import get_target
 
     name = get_target(target).name
-    pre = _inlined(parse_module(function.hlo(debug_info=True, target=name)))
+    pre = as_module(function.hlo(debug_info=True, target=name))
     matches = find_matches(pre, function.name)
     if not matches:
         return []
-    return _fates(pre, matches, parse_module(function.optimized(name)), name)
+    return _fates(pre, matches, as_module(function.optimized(name), inline=False), name)
 
 
 def native_fates(functions: Sequence[CapturedFunction], sites: Sequence[AttentionSite],
@@ -150,23 +150,10 @@ def map_sites(pre: Module | str, optimized: Module | str, target: str,
     """The native fates of the sites detected in pre-optimization HLO `pre` (with debug
     info), found in `optimized`, the same program after XLA's passes for `target`. Both
     must come from one lowering: the stacks of another hold other caller frames."""
-    pre = _inlined(_module(pre, "pre-optimization HLO"))
+    pre = as_module(pre, "pre-optimization HLO")
     matches = find_matches(pre, function or pre.name)
-    return _fates(pre, matches, _module(optimized, "optimized HLO"), target) if matches else []
-
-
-def _module(hlo: Module | str, what: str) -> Module:
-    if isinstance(hlo, str):
-        return parse_module(hlo, source_name=f"<{what}>")
-    if not isinstance(hlo, Module):
-        raise HlotoolError(f"{what} must be an HLO Module or its text, got {type(hlo).__name__}")
-    return hlo
-
-
-def _inlined(module: Module) -> Module:
-    if any(i.opcode == "call" for i in module.instructions()):
-        return module.inline_calls()
-    return module
+    return (_fates(pre, matches, as_module(optimized, "optimized HLO", inline=False), target)
+            if matches else [])
 
 
 def _key(inst: Instruction) -> _Key | None:
@@ -208,7 +195,7 @@ class _Program:
                 called_by[callee].append(inst)
         levels = [c for c in module.computations.values()
                   if c.is_entry or (called_by[c.name]
-                                    and all(i.opcode in _CONTROL for i in called_by[c.name]))]
+                                    and all(i.opcode in _LEVEL_CALLS for i in called_by[c.name]))]
         self.insts: list[tuple[str, Instruction]] = [(c.name, i) for c in levels for i in c]
         self.index = {(c, i.name): n for n, (c, i) in enumerate(self.insts)}
         self.operands: list[list[int]] = [
@@ -232,7 +219,7 @@ class _Program:
 
     def _keys(self, inst: Instruction) -> set[_Key]:
         keys = {k for k in [_key(inst)] if k is not None}
-        if inst.opcode in _CONTROL:
+        if inst.opcode in _LEVEL_CALLS:
             return keys
         stack, seen = list(inst.called_computations), set()
         while stack:

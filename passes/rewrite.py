@@ -61,8 +61,9 @@ def free_inputs(jaxpr: core.Jaxpr, site: JaxprSite) -> list[Any]:
     return out
 
 
-def native(jaxpr: core.Jaxpr, site: JaxprSite) -> Replacement:
-    """The site's own equations as a replacement: evaluating it reproduces the naive output."""
+def site_equations(jaxpr: core.Jaxpr, site: JaxprSite) -> Replacement:
+    """The site's own equations as a replacement: evaluating it reproduces the naive output
+    (the branch of a platform that keeps the site as the program wrote it)."""
     inputs = free_inputs(jaxpr, site)
     body = jaxpr.replace(invars=inputs, outvars=[site.out], constvars=[],
                          eqns=[jaxpr.eqns[i] for i in site.eqns])

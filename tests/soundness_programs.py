@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-import hlotool
+from hlotool.flash import Rewritten
 from hlotool.kernels import get
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
@@ -293,18 +293,25 @@ def _error(got: np.ndarray, want: np.ndarray, terms: float) -> float:
     return float(np.max(np.abs(got[fine] - want[fine])) / scale)
 
 
-def run(fn, args, diff):
-    """Output and gradients (of a fixed random projection) w.r.t. the `diff` arguments."""
-    out = fn(*args)
-    weights = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), jnp.float32)
+def value_and_grads(fn, diff):
+    """A function of the program's arguments returning its output and the gradients of a
+    fixed random projection of it w.r.t. the `diff` arguments: one program, one compile."""
+    def both(*args):
+        def loss(*xs):
+            full = list(args)
+            for i, x in zip(diff, xs):
+                full[i] = x
+            out = fn(*full)
+            weights = jax.random.normal(jax.random.PRNGKey(1), out.shape, jnp.float32)
+            return jnp.sum(out.astype(jnp.float32) * weights), out
+        grads, out = jax.grad(loss, argnums=tuple(range(len(diff))), has_aux=True)(
+            *[args[i] for i in diff])
+        return out, grads
+    return both
 
-    def loss(*xs):
-        full = list(args)
-        for i, x in zip(diff, xs):
-            full[i] = x
-        return jnp.sum(fn(*full).astype(jnp.float32) * weights)
 
-    grads = jax.grad(loss, argnums=tuple(range(len(diff))))(*[args[i] for i in diff])
+def _arrays(out_and_grads) -> list[np.ndarray]:
+    out, grads = out_and_grads
     return [np.asarray(x, np.float64) for x in (out, *grads)]
 
 
@@ -334,21 +341,33 @@ def _x64():
     return enable_x64()
 
 
-def check(p: Program, blocks: tuple[int, int] = (8, 8)) -> tuple[str, str]:
+def _compiled(fn, args, options):
+    return jax.jit(fn).trace(*args).lower().compile(compiler_options=options)(*args)
+
+
+# XLA's optimization level 0 compiles the chunked kernel's loops about twice as fast; both
+# sides of a comparison are compiled alike. CI uses it; the fuzz benchmark does not.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def check(p: Program, blocks: tuple[int, int] = (8, 8),
+          compiler_options: dict | None = None) -> tuple[str, str]:
     """("native" | "rewritten" | "wrong", detail) for one program (see the module docstring)."""
     fn, args, diff = build(p)
     kernel = get("chunked")
     saved = (kernel.block_q, kernel.block_k)
     kernel.block_q, kernel.block_k = blocks
     try:
-        report = hlotool.explain(fn, *args, kernel="chunked")
+        rewritten = Rewritten(fn, "chunked")  # flash_jit(fn, kernel="chunked") is its jit
+        traced = jax.jit(value_and_grads(rewritten, diff)).trace(*args)
+        report = rewritten.report
         for site in report.sites:
             if not site.rewritten and not site.reason:
                 return "wrong", "a site stays native without a reason"
         if report.rewritten == 0:
             return "native", "; ".join(s.reason for s in report.sites) or "no site"
-        want = run(jax.jit(fn), args, diff)
-        got = run(hlotool.flash_jit(fn, kernel="chunked"), args, diff)
+        got = _arrays(traced.lower().compile(compiler_options=compiler_options)(*args))
+        want = _arrays(_compiled(value_and_grads(fn, diff), args, compiler_options))
     finally:
         kernel.block_q, kernel.block_k = saved
     tol = TOLERANCE[p.dtype]
@@ -357,7 +376,8 @@ def check(p: Program, blocks: tuple[int, int] = (8, 8)) -> tuple[str, str]:
     if err > tol:
         with _x64():
             precise_fn, precise_args, _ = build(p, compute="float64")
-            precise = run(jax.jit(precise_fn), precise_args, diff)
+            precise = _arrays(_compiled(value_and_grads(precise_fn, diff), precise_args,
+                                        compiler_options))
         naive_err, _ = _worst(want, precise, terms)
         err, at = _worst(got, precise, terms)
         if math.isfinite(naive_err):

@@ -445,3 +445,38 @@ def test_hlo_site_inside_while_body_names_its_computation():
     (name,) = match.region
     whiles = [i for i in module.instructions() if i.opcode == "while"]
     assert any(name in w.called_computations for w in whiles)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("build", ["tril", "arange", "triu_hidden", "additive_inf"])
+def test_causal_masks_are_read_from_their_structure_at_any_length(build, frontend):
+    """At L = 8192 the [L, L] mask is past the folding limit: it is recognized from its
+    iotas and compares, not from its values (which would be 67M elements)."""
+    n = 8192
+    x = jax.ShapeDtypeStruct((1, n, 2, 16), jnp.float32)
+
+    def fn(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+        if build == "tril":
+            s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -jnp.inf)
+        elif build == "arange":
+            s = jnp.where(jnp.arange(n)[None, :] <= jnp.arange(n)[:, None], s, -1e9)
+        elif build == "triu_hidden":
+            s = jnp.where(jnp.triu(jnp.ones((n, n), bool), 1), -1e9, s)
+        else:
+            s = s + jnp.where(jnp.arange(n)[:, None] >= jnp.arange(n)[None, :], 0.0, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+    (site,) = detect(fn, (x, x, x), frontend)
+    assert (site.mask, site.mask_shape) == ("causal", None)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_shifted_diagonal_is_not_read_as_causal(frontend):
+    def fn(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        s = jnp.where(jnp.tril(jnp.ones((L, L), bool), 1), s, -jnp.inf)  # sees one key ahead
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+    (site,) = detect(fn, (Q, K, V), frontend)
+    assert site.mask == "boolean"

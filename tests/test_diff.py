@@ -154,7 +154,7 @@ def test_two_sites_two_regions():
 
 
 def test_bad_input():
-    with pytest.raises(HlotoolError, match="diff needs HLO Modules or their text; before is int"):
+    with pytest.raises(HlotoolError, match="diff's before needs an HLO Module or its text, got int"):
         diff_modules(3, REWRITTEN)  # type: ignore[arg-type]
     with pytest.raises(HloParseError, match="<after>:"):
         diff_modules(NATIVE, "HloModule broken\nENTRY main {\n  x = f32[ parameter(0)\n}\n")

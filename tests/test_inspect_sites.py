@@ -186,7 +186,7 @@ def test_layers_sharing_a_constant_still_get_one_region_each():
 
 
 def test_bad_input_is_one_line_error():
-    with pytest.raises(HlotoolError, match="pre-optimization HLO must be an HLO Module or "
+    with pytest.raises(HlotoolError, match="pre-optimization HLO needs an HLO Module or "
                                            "its text, got int"):
         map_sites(42, "", "cpu")
     with pytest.raises(HlotoolError, match=r"^<optimized HLO>:1:\d+: "):

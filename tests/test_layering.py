@@ -14,7 +14,7 @@ PACKAGES = {"hlotool": "hlotool", "kernels": "hlotool.kernels", "passes": "hloto
 
 # Lowest first; a module may import from its own layer and any layer above it in this list.
 LAYERS = [
-    ("contracts", ("hlotool.errors", "hlotool.site", "hlotool.units",
+    ("contracts", ("hlotool.errors", "hlotool.site", "hlotool.source", "hlotool.units",
                    "hlotool.hardware", "hlotool.targets", "hlotool.jaxcompat")),
     ("capture and IR", ("hlotool.capture", "hlotool.hlo")),
     ("kernels", ("hlotool.kernels",)),

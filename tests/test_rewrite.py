@@ -227,10 +227,10 @@ def test_auto_follows_the_cost_verdict_per_platform():
         q = Q[:, :length]
         (report,) = hlotool.explain(lambda q, k, v: attend(q, k, v), q, q, q).sites
         for platform, kernel in report.kernels.items():
-            v = verdict(report.site, decision.target_for(platform), check_fusion=False)
+            v = verdict(report.site, decision.chip_for(platform), check_fusion=False)
             assert kernel == (v.kernel_name if v.pays else None), (length, platform)
             assert v.reason in report.reason
-    assert [decision.target_for(p) for p in hlotool.kernels.PLATFORMS] == ["cpu", "tpu-v5e", "h100"]
+    assert [decision.chip_for(p) for p in hlotool.kernels.PLATFORMS] == ["cpu", "tpu-v5e", "h100"]
 
 
 def test_native_on_cpu_kernel_elsewhere():
@@ -267,17 +267,17 @@ def test_attached_chip_is_priced(monkeypatch):
 
     monkeypatch.setattr(decision, "running_platform", lambda: "tpu")
     monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
-    assert decision.target_for.__wrapped__("tpu") == "tpu-v5e"
+    assert decision.chip_for.__wrapped__("tpu") == "tpu-v5e"
     Device.device_kind = "TPU v5"
-    assert decision.target_for.__wrapped__("tpu") == "tpu-v5p"
+    assert decision.chip_for.__wrapped__("tpu") == "tpu-v5p"
     Device.device_kind = "TPU v6 lite"
-    assert decision.target_for.__wrapped__("tpu") == "tpu-v6e"
-    assert decision.target_for.__wrapped__("cuda") == "h100"  # no GPU attached
+    assert decision.chip_for.__wrapped__("tpu") == "tpu-v6e"
+    assert decision.chip_for.__wrapped__("cuda") == "h100"  # no GPU attached
     monkeypatch.setattr(decision, "running_platform", lambda: "cuda")
     Device.device_kind = "NVIDIA H200"
-    assert decision.target_for.__wrapped__("cuda") == "h200"
+    assert decision.chip_for.__wrapped__("cuda") == "h200"
     Device.device_kind = "NVIDIA A100-SXM4-80GB"
-    assert decision.target_for.__wrapped__("cuda") == "a100"
+    assert decision.chip_for.__wrapped__("cuda") == "a100"
 
 
 def test_bfloat16_within_tolerance():

@@ -2,7 +2,7 @@
 and the policy built on it: which kernel runs a site on each platform.
 
 `hlotool cost` prints `verdict(site, target)`; `flash_jit(kernel="auto")` asks `decide(site,
-platform)`, which prices the platform's chip (`target_for`) with that same verdict.
+platform)`, which prices the platform's chip (`chip_for`) with that same verdict.
 """
 
 from __future__ import annotations
@@ -66,19 +66,20 @@ class Verdict:
 
 def verdict(
     site: AttentionSite,
-    target: str | Hardware,
+    chip: str | Hardware,
     *,
     backward: bool = False,
     native_fused: bool | None = None,
     check_fusion: bool = True,
 ) -> Verdict:
-    """The decision for `site` on `target` (a name in `hlotool.hardware.HARDWARE`).
+    """The decision for `site` on `chip` (a name in `hlotool.hardware.HARDWARE`; "target"
+    only for what XLA compiles for, `hlotool.targets`).
 
     native_fused: what the caller saw in the compiled program (an online-softmax custom call
-    at this site); when None and `check_fusion`, a TPU target with a deviceless compiler is
-    asked by compiling the naive formula for the site's shapes.
+    at this site); when None and `check_fusion`, a TPU chip with a deviceless compile target
+    is asked by compiling the naive formula for the site's shapes.
     """
-    hw = get_hardware(target)
+    hw = get_hardware(chip)
     native = analytic(site, hw, "native", backward=backward)
     try:
         kernel = kernel_for(site, hw)
@@ -131,8 +132,8 @@ def _full_bias(site: AttentionSite) -> bool:
 # ----------------------------------------------------------------------------------------
 # The policy: which kernel runs a site on each platform
 
-# Chip priced for each platform when the process does not run on one (see `target_for`).
-DEFAULT_TARGET = {"cpu": "cpu", "tpu": "tpu-v5e", "cuda": "h100"}
+# Chip priced for each platform when the process does not run on one (see `chip_for`).
+DEFAULT_CHIP = {"cpu": "cpu", "tpu": "tpu-v5e", "cuda": "h100"}
 # Substrings of `Device.device_kind` naming a chip in `hlotool.hardware.HARDWARE`, most
 # specific first ("TPU v5 lite" is a v5e, plain "TPU v5" a v5p; see jax's tpu_info.py).
 _DEVICE_KINDS = {
@@ -159,21 +160,21 @@ def running_platform() -> str:
 
 
 @functools.cache
-def target_for(platform: str) -> str:
+def chip_for(platform: str) -> str:
     """The `hlotool.hardware` chip that prices `platform`: the attached chip when jax runs on
-    that platform and its `device_kind` names a known one, else `DEFAULT_TARGET[platform]`."""
+    that platform and its `device_kind` names a known one, else `DEFAULT_CHIP[platform]`."""
     if platform != "cpu" and platform == running_platform():
         kind = jax.devices()[0].device_kind.lower()
         for part, target in _DEVICE_KINDS.get(platform, ()):
             if part in kind:
                 return target
-    return DEFAULT_TARGET[platform]
+    return DEFAULT_CHIP[platform]
 
 
 def decide(site: AttentionSite, platform: str, kernel: str = "auto") -> Choice:
     """The single policy deciding whether a kernel runs `site` on `platform`.
 
-    `kernel="auto"`: the cost model's verdict for the platform's chip (`target_for`); the
+    `kernel="auto"`: the cost model's verdict for the platform's chip (`chip_for`); the
     kernel it prices runs the site where it pays. XLA:TPU's own attention fusion is probed (a
     deviceless compile, seconds per new shape) only for the platform this process runs on;
     elsewhere the reason says it was not checked. A kernel name: that kernel where it runs
@@ -185,7 +186,7 @@ def decide(site: AttentionSite, platform: str, kernel: str = "auto") -> Choice:
             return Choice(None, f"{kernel} does not run on {platform}")
         support = chosen.supports(site)
         return Choice(kernel, f"{kernel} requested") if support else Choice(None, support.reason)
-    hw = get_hardware(target_for(platform))
+    hw = get_hardware(chip_for(platform))
     checked = platform == running_platform()
     v = verdict(site, hw, check_fusion=checked)
     reason = v.reason if hw.name == platform else f"{v.reason} on {hw.name}"

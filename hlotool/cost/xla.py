@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hlotool.errors import HlotoolError
+from hlotool.errors import HlotoolError, first_line
 from hlotool.kernels import AttentionKernel
+from hlotool.passes.native import ONLINE_SOFTMAX
 from hlotool.site import AttentionSite
 from hlotool.targets import get_target
 
@@ -93,7 +94,7 @@ def _caveats(text: str, calls: dict[str, int], flops: float | None,
     notes = []
     if re.search(r"\swhile\(", text):
         notes.append("while loop: cost_analysis counts its body once, not once per iteration")
-    if "online-softmax" in text:
+    if ONLINE_SOFTMAX in text:
         notes.append("XLA:TPU rewrote the attention into its own online-softmax custom call: "
                      "cost_analysis counts only the QKᵀ matmul; the rest of its work is hidden")
     if "ynn_fusion" in text:
@@ -102,7 +103,7 @@ def _caveats(text: str, calls: dict[str, int], flops: float | None,
     if flops is not None and flops < 0:
         notes.append("cost_analysis reports negative flops: a custom call counted as -1")
     opaque = {t: n for t, n in calls.items() if t == "tpu_custom_call"}
-    if opaque and len(estimates) < sum(opaque.values()) and "online-softmax" not in text:
+    if opaque and len(estimates) < sum(opaque.values()) and ONLINE_SOFTMAX not in text:
         notes.append("a tpu_custom_call without cost_estimate: counted as nothing")
     if estimates:
         notes.append("Pallas cost_estimate is the kernel author's formula: it reads Q, K, V "
@@ -124,8 +125,8 @@ def compile_for(fn: Callable[..., Any], args: tuple[jax.ShapeDtypeStruct, ...],
     try:
         return jitted.trace(*args).lower().compile()
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise HlotoolError(f"cannot compile the probe program for {t.name}: {first}") from e
+        raise HlotoolError(f"cannot compile the probe program for {t.name}: "
+                           f"{first_line(e)}") from e
 
 
 def _operand_shapes(site: AttentionSite) -> tuple[tuple[int, ...], ...]:
@@ -192,7 +193,7 @@ def kernel_program(site: AttentionSite, kernel: AttentionKernel
 @functools.cache
 def _fuses(site: AttentionSite, target: str) -> bool:
     fn, args = naive_program(site)
-    return "online-softmax" in compile_for(fn, args, target).as_text()
+    return ONLINE_SOFTMAX in compile_for(fn, args, target).as_text()
 
 
 def xla_fuses_natively(site: AttentionSite, target: str | None) -> bool | None:

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from hlotool.errors import HloParseError, HlotoolError
 from hlotool.hlo.shape import Shape
+from hlotool.source import user_source
 
 # Attributes whose value names computations the instruction runs.
 CALLED_COMPUTATION_ATTRS: tuple[str, ...] = (
@@ -33,7 +34,6 @@ _CALL_KEYS = frozenset(CALLED_COMPUTATION_ATTRS)
 _STRING = r'"(?:[^"\\]|\\.)*"'
 _METADATA_ITEM_RE = re.compile(r"([\w.]+)=(" + _STRING + r'|[^\s"]+)')
 _ESCAPE_RE = re.compile(rb"\\(x[0-9a-fA-F]{1,2}|[0-7]{1,3}|.)", re.DOTALL)
-_LIBRARY_PATH_RE = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 _SIMPLE_ESCAPES = {b"n": b"\n", b"t": b"\t", b"r": b"\r", b'"': b'"', b"'": b"'", b"\\": b"\\"}
 
 
@@ -215,11 +215,7 @@ class Instruction:
     def user_source(self) -> str | None:
         """`"file:line"` of the innermost frame outside installed packages (site-packages,
         dist-packages): the user's line even when a library such as flax made the op."""
-        stack = self.stack
-        for frame in stack:
-            if not _LIBRARY_PATH_RE.search(frame.file):
-                return f"{frame.file}:{frame.line}"
-        return self.source
+        return user_source((f.file, f.line) for f in self.stack) or None
 
     @property
     def custom_call_target(self) -> str | None:
@@ -333,6 +329,9 @@ class Module:
             yield from comp.instructions
 
     def inline_calls(self) -> Module:
+        """This module with every `call` inlined (itself when it has none)."""
+        if not any(i.opcode == "call" for i in self.instructions()):
+            return self
         from hlotool.hlo.inline import inline_calls
 
         return inline_calls(self)

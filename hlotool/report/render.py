@@ -39,7 +39,7 @@ _MOVEMENT = {
     "dynamic-update-slice", "concatenate", "pad", "gather", "scatter", "reverse", "iota",
     "get-tuple-element", "tuple", "bitcast-convert",
 }
-_CONTROL = {"while", "conditional", "call", "fusion", "async-start", "async-done"}
+_CONTAINERS = {"while", "conditional", "call", "fusion", "async-start", "async-done"}
 FILL = {
     "dot": "#7ba7e0",  # blue
     "elementwise": "#fff2a8",  # yellow
@@ -71,7 +71,7 @@ def category(opcode: str) -> str:
         return "constant"
     if opcode in _MOVEMENT:
         return "movement"
-    if opcode in _CONTROL:
+    if opcode in _CONTAINERS:
         return "control"
     return "elementwise"
 

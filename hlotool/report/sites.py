@@ -1,17 +1,21 @@
 """Detected sites as `hlotool inspect` shows them: a terminal table and the versioned JSON.
 
     print(render_sites(sites))
+    print(render_near_misses(misses))       # inspect --why-not
     json.dumps(sites_document(sites))       # {"version": 1, "sites": [...]}
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hlotool.report.console import Term
 from hlotool.report.table import format_table
 from hlotool.site import AttentionSite
 from hlotool.units import format_bytes
+
+if TYPE_CHECKING:
+    from hlotool.passes.near_miss import NearMiss
 
 REPORT_VERSION = 1
 
@@ -64,3 +68,12 @@ def render_sites(sites: Sequence[AttentionSite], term: Term | None = None) -> st
                         # shape a line.
                         wrap={1: 10, 2: 30, 4: 11}, optional=(3, 7, 6),
                         term=term)
+
+
+def render_near_misses(misses: Sequence[NearMiss], term: Term | None = None) -> str:
+    """One row per near miss: where it is and the first rule it breaks."""
+    if not misses:
+        return "none: every exp between two dots is a detected site"
+    rows = [[str(i), m.function, m.source or "?", m.reason] for i, m in enumerate(misses, 1)]
+    return format_table(("#", "function", "source", "why it is not attention"), rows,
+                        right_aligned={0}, wrap={1: 10, 2: 30, 3: 30}, term=term)

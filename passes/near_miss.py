@@ -1,0 +1,189 @@
+"""Near misses: almost-attention that is not detected, and the first rule it breaks.
+
+A candidate is two dots around an exp — `dot(f(exp(g(dot(...)))), ...)` — that is not a
+detected site. Like XLA's `explain_os`, each says why, in user terms:
+
+    tanh between the scores and the softmax (logit soft-capping)
+    a where(mask, p, 0) after the softmax
+    the probabilities are multiplied by a tensor after the softmax (a head mask or dropout)
+    the second dot does not contract the key axis the softmax runs over
+
+Scores side (exp's input down to the first dot): the pattern's vocabulary is layout ops,
+scale, bias and mask steps and the row max; the first op outside it is the reason. Probability
+side (exp up to the dot that reads it): layout ops and the normalization by exp's own sum.
+When both sides are clean, the pattern's own shape checks (`attention.rejection`) say why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict, deque
+from typing import Any, Sequence
+
+from hlotool.passes.attention import Match, rejection
+from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, uniform_value
+
+# Ops the logits chain may hold between the scores' dot and the exp.
+_CHAIN = LAYOUT_OPS | {"mul", "div", "add", "sub", "select", "max", "neg", "reduce_max"}
+# How far to look from an exp for the dots around it.
+_REACH = 40
+_RANDOM = {"random_bits", "rng_bit_generator", "rng", "threefry2x32", "random_wrap",
+           "random_unwrap", "rng-bit-generator", "rng-get-and-update-state"}
+
+
+@dataclasses.dataclass(frozen=True)
+class NearMiss:
+    """An exp between two dots that is not attention, where it is and why."""
+
+    function: str
+    source: str
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def near_misses(graph: Graph, sites: Sequence[Match], function: str = "") -> list[NearMiss]:
+    """The near misses of one graph region, given the sites found in it."""
+    covered = {id(n) for m in sites for n in m.body}
+    users: dict[int, list[Node]] = defaultdict(list)
+    for n in graph.nodes:
+        for i in n.inputs:
+            users[id(i)].append(n)
+    found, seen = [], set()
+    for exp in graph.anchors("exp"):
+        if id(exp) in covered:
+            continue
+        scores, before = _scores_side(exp)
+        value_dot, after = _probs_side(exp, users)
+        if scores is None or value_dot is None or id(value_dot) in seen:
+            continue
+        seen.add(id(value_dot))
+        reason = before or after or rejection(graph, value_dot) or (
+            "the exp is not normalized by its own sum along one axis before the value dot")
+        found.append(NearMiss(function, exp.source or value_dot.source or scores.source,
+                              reason))
+    return found
+
+
+def _scores_side(exp: Node) -> tuple[Node | None, str | None]:
+    """The nearest dot below `exp`, and the first op outside the chain vocabulary on the way
+    to it (None when the way is clean)."""
+    queue = deque([(exp.inputs[0], None)])
+    visited = 0
+    while queue and visited < _REACH:
+        node, blocker = queue.popleft()
+        visited += 1
+        if node.op == "dot_general":
+            return node, blocker
+        if node.op in ("constant", "parameter", "iota") or not node.inputs:
+            continue
+        here = blocker
+        if here is None and (node.op not in _CHAIN or node.op == "select" and _select_fill(node)
+                             is None):
+            here = _scores_blocker(node)
+        for i in (node.inputs[1:] if node.op == "select" else node.inputs):
+            queue.append((i, here))
+    return None, None
+
+
+def _select_fill(node: Node) -> float | None:
+    values = [uniform_value(i) for i in node.inputs[1:]]
+    return next((v for v in values if v is not None), None)
+
+
+def _scores_blocker(node: Node) -> str:
+    if node.op == "tanh":
+        return "tanh between the scores and the softmax (logit soft-capping)"
+    if node.op == "concatenate":
+        return ("a concatenate between the scores and the softmax (an extra logit column: "
+                "attention sinks?)")
+    if node.op == "select":
+        return "a where() between the scores and the softmax whose fill is not a constant"
+    return f"a {node.op} between the scores and the softmax"
+
+
+def _probs_side(exp: Node, users: dict[int, list[Node]]) -> tuple[Node | None, str | None]:
+    """The nearest dot reading `exp` (through the normalization), and the first op on the
+    way that is neither a layout op nor the normalization by exp's own sum."""
+    sums = {id(u) for u in users[id(exp)] if u.op == "reduce_sum"}
+    queue = deque([(exp, None)])
+    visited, done = 0, set()
+    while queue and visited < _REACH:
+        node, blocker = queue.popleft()
+        if id(node) in done:
+            continue
+        done.add(id(node))
+        visited += 1
+        for user in users[id(node)]:
+            if user.op == "dot_general" and not _products_only(user):
+                return user, blocker
+            if user.op == "reduce_sum" and id(user) in sums:
+                continue  # the normalizer's own branch
+            here = blocker
+            if here is None and not _normalizes(user, node, sums, users):
+                here = _probs_blocker(user, node)
+            queue.append((user, here))
+    return None, None
+
+
+def _products_only(dot: Node) -> bool:
+    """A dot_general that contracts nothing: an elementwise product written as an einsum
+    (`einsum("...hqk,h->...hqk", p, head_mask)`)."""
+    return not dot.params["lhs_contract"] and not dot.params["rhs_contract"]
+
+
+def _derives_from(node: Node, ids: set[int], depth: int = 6) -> bool:
+    stack = [(node, 0)]
+    while stack:
+        n, d = stack.pop()
+        if id(n) in ids:
+            return True
+        if d < depth:
+            stack.extend((i, d + 1) for i in n.inputs)
+    return False
+
+
+def _normalizes(user: Node, prev: Node, sums: set[int], users) -> bool:
+    """A layout op, or the division by (multiplication with the reciprocal of) exp's sum."""
+    if user.op in LAYOUT_OPS:
+        return True
+    if user.op in ("div", "mul") and len(user.inputs) == 2:
+        other = user.inputs[1] if user.inputs[0] is prev else user.inputs[0]
+        return _derives_from(other, sums)
+    return False
+
+
+def _probs_blocker(user: Node, prev: Node) -> str:
+    if user.op == "dot_general":
+        return ("the probabilities are multiplied by a tensor in an einsum that contracts "
+                "nothing (a per-head multiplier: a head mask?)")
+    if user.op == "select":
+        zero = any(uniform_value(i) == 0.0 for i in user.inputs[1:] if i is not prev)
+        return ("a where(mask, p, 0) after the softmax" if zero
+                else "a where() after the softmax")
+    if user.op in ("mul", "div") and len(user.inputs) == 2:
+        other = user.inputs[1] if user.inputs[0] is prev else user.inputs[0]
+        if uniform_value(other) is not None:
+            return "a scale after the softmax (the probabilities no longer sum to 1)"
+        if _derives_from_random(other):
+            return "dropout on the probabilities (multiplied by a random keep mask)"
+        return ("the probabilities are multiplied by a tensor after the softmax (a head mask "
+                "or dropout)")
+    if user.op == "slice":
+        return "a slice after the softmax (a sink column dropped?)"
+    return f"a {user.op} between the softmax and the value dot"
+
+
+def _derives_from_random(node: Node, depth: int = 12) -> bool:
+    stack, seen = [(node, 0)], set()
+    while stack:
+        n, d = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op in _RANDOM:
+            return True
+        if d < depth:
+            stack.extend((i, d + 1) for i in n.inputs)
+    return False

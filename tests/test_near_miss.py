@@ -1,0 +1,138 @@
+"""Near misses: almost-attention that is not detected says why, in both front ends and in
+`hlotool inspect --why-not`."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from hlotool.cli import cli
+from hlotool.passes.from_hlo import detect_hlo, near_misses_hlo
+from hlotool.passes.from_jaxpr import detect_jaxpr, near_misses_jaxpr
+
+B, L, H, D = 1, 64, 2, 16
+rng = np.random.default_rng(3)
+Q = jnp.asarray(rng.standard_normal((B, L, H, D)), jnp.float32)
+MASK = jnp.asarray(rng.random((B, 1, L, L)) > 0.3)
+
+
+def scores(q, k):
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+
+
+def values(p, v):
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def post_softmax_where(q, k, v, m):
+    return values(jnp.where(m, jax.nn.softmax(scores(q, k)), 0.0), v)
+
+
+def soft_capped(q, k, v, m):
+    return values(jax.nn.softmax(jnp.tanh(scores(q, k) / 50.0) * 50.0), v)
+
+
+def sinks(q, k, v, m):
+    s = jnp.concatenate([scores(q, k), jnp.zeros((B, H, L, 1))], axis=-1)
+    return values(jax.nn.softmax(s)[..., :-1], v)
+
+
+def head_mask(q, k, v, m):
+    return values(jnp.einsum("bhqk,h->bhqk", jax.nn.softmax(scores(q, k)), jnp.ones(H)), v)
+
+
+def dropout(q, k, v, m):
+    p = jax.nn.softmax(scores(q, k))
+    keep = jax.random.bernoulli(jax.random.PRNGKey(0), 0.9, p.shape)
+    return values(p * keep / 0.9, v)
+
+
+def softmax_over_queries(q, k, v, m):
+    return values(jax.nn.softmax(scores(q, k), axis=-2), v)
+
+
+def scaled_probabilities(q, k, v, m):
+    return values(jax.nn.softmax(scores(q, k)) * 2.0, v)
+
+
+def data_fill(q, k, v, m):
+    return values(jax.nn.softmax(jnp.where(m, scores(q, k), q[..., :1].mean())), v)
+
+
+CASES = [
+    (post_softmax_where, "a where(mask, p, 0) after the softmax"),
+    (soft_capped, "tanh between the scores and the softmax (logit soft-capping)"),
+    (sinks, "a concatenate between the scores and the softmax (an extra logit column: "
+            "attention sinks?)"),
+    (head_mask, "the probabilities are multiplied by a tensor in an einsum that contracts "
+                "nothing (a per-head multiplier: a head mask?)"),
+    (softmax_over_queries, "the second dot does not contract the key axis the softmax runs "
+                           "over"),
+    (scaled_probabilities, "a scale after the softmax (the probabilities no longer sum to 1)"),
+    (data_fill, "a where() between the scores and the softmax whose fill is not a constant"),
+]
+
+
+@pytest.mark.parametrize("fn, reason", CASES, ids=[fn.__name__ for fn, _ in CASES])
+def test_each_near_miss_names_the_first_rule_it_breaks(fn, reason):
+    args = (Q, Q, Q, MASK)
+    closed = jax.make_jaxpr(fn)(*args)
+    assert detect_jaxpr(closed) == []
+    (miss,) = near_misses_jaxpr(closed, fn.__name__)
+    assert (miss.function, miss.reason) == (fn.__name__, reason)
+    assert miss.source.endswith("test_near_miss.py:" + miss.source.rsplit(":", 1)[1])
+    hlo = jax.jit(fn).lower(*args).as_text(dialect="hlo", debug_info=True)
+    assert detect_hlo(hlo) == []
+    (miss,) = near_misses_hlo(hlo, fn.__name__)
+    assert miss.reason == reason
+
+
+def test_dropout_is_named_from_its_random_bits_in_the_jaxpr():
+    (miss,) = near_misses_jaxpr(jax.make_jaxpr(dropout)(Q, Q, Q, MASK))
+    assert miss.reason == "dropout on the probabilities (multiplied by a random keep mask)"
+    # In HLO the random bits are plain integer arithmetic: the reason is the general one.
+    (miss,) = near_misses_hlo(jax.jit(dropout).lower(Q, Q, Q, MASK).as_text(dialect="hlo"))
+    assert miss.reason.startswith("the probabilities are multiplied by a tensor")
+
+
+def test_attention_and_unrelated_exps_are_no_near_misses():
+    def attention(q, k, v, m):
+        return values(jax.nn.softmax(jnp.where(m, scores(q, k), -1e9)), v)
+
+    def gelu_mlp(x, w):
+        return jax.nn.gelu(x @ w, approximate=False) @ w.T
+
+    closed = jax.make_jaxpr(attention)(Q, Q, Q, MASK)
+    assert len(detect_jaxpr(closed)) == 1 and near_misses_jaxpr(closed) == []
+    x = jnp.ones((8, 16))
+    assert near_misses_jaxpr(jax.make_jaxpr(gelu_mlp)(x, jnp.ones((16, 32)))) == []
+
+
+def test_inspect_why_not_lists_them_in_the_table_and_json(tmp_path):
+    script = tmp_path / "model.py"
+    script.write_text(textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        x = jnp.ones((1, 64, 2, 16))
+        @jax.jit
+        def capped(q, k, v):
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.tanh(s / 30) * 30), v)
+        capped(x, x, x)
+    """))
+    result = CliRunner().invoke(cli, ["inspect", str(script), "--why-not"])
+    assert result.exit_code == 0, result.output
+    assert "1 near miss (almost attention, not detected)" in result.output
+    assert "tanh between the scores and the softmax" in result.output
+    result = CliRunner().invoke(cli, ["inspect", str(script), "--why-not", "--json"])
+    doc = json.loads(result.stdout)
+    assert doc["sites"] == [] and doc["near_misses"] == [{
+        "function": "capped", "source": f"{script}:7",
+        "reason": "tanh between the scores and the softmax (logit soft-capping)"}]
+    plain = CliRunner().invoke(cli, ["inspect", str(script), "--json"])
+    assert "near_misses" not in json.loads(plain.stdout)
