@@ -8,16 +8,15 @@ import glob
 import json
 import os
 import shutil
+import subprocess
+import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import pytest
-from click.testing import CliRunner
 
-import hlotool
 from hlotool.capture import capture_function
-from hlotool.cli import cli
 from hlotool.cost import trace
 from hlotool.errors import EXIT_BAD_INPUT, MANIFEST
 from hlotool.flash import rewrite_captured
@@ -48,14 +47,18 @@ def model(tmp_path):
     return str(path)
 
 
-def run(*args: str):
-    return CliRunner(env={"COLUMNS": "200"}).invoke(cli, list(args))
+def run(*args: str) -> subprocess.CompletedProcess:
+    """`hlotool ARGS` in a process of its own: jax's profiler crashes in one that loaded
+    libtpu, as the test session has once a TPU target was compiled in it."""
+    env = {**os.environ, "COLUMNS": "200", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "hlotool", *args], capture_output=True,
+                          text=True, env=env, timeout=600)
 
 
 def test_profile_reports_per_site_time_from_the_trace_and_keeps_it(model, tmp_path):
     where = str(tmp_path / "prof")
     result = run("profile", model, "--trace", where, "--repeats", "2", "--json")
-    assert result.exit_code == 0, result.output
+    assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["trace_dir"] == where and doc["repeats"] == 2
     attend, mlp = doc["functions"]
@@ -79,7 +82,7 @@ def test_profile_reports_per_site_time_from_the_trace_and_keeps_it(model, tmp_pa
 
     # hlotool's own directory takes another run; the table names the site and its kernel.
     again = run("profile", model + ":attend", "--trace", where, "--repeats", "1")
-    assert again.exit_code == 0, again.output
+    assert again.returncode == 0, again.stderr
     (row,) = [ln for ln in again.stdout.splitlines() if ln.startswith("attend    site1")]
     assert f"{model}:5" in row and "chunked" in row
     assert len(glob.glob(os.path.join(where, "001_jit_attend", "native", "plugins", "profile",
@@ -91,7 +94,7 @@ def test_profile_never_writes_into_a_users_directory(model, tmp_path):
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
     result = run("profile", model, "--trace", str(mine))
-    assert result.exit_code == EXIT_BAD_INPUT
+    assert result.returncode == EXIT_BAD_INPUT
     assert result.stderr.strip() == (
         f"hlotool: error: {mine} holds files hlotool did not write (notes.txt); name a new "
         "directory for --trace, or pass --force")
@@ -100,7 +103,7 @@ def test_profile_never_writes_into_a_users_directory(model, tmp_path):
 
 def test_profile_without_trace_makes_a_new_directory_and_prints_it(model):
     result = run("profile", model + ":attend", "--repeats", "1")
-    assert result.exit_code == 0, result.output
+    assert result.returncode == 0, result.stderr
     last = result.stdout.strip().splitlines()[-1]  # the table's last line: where it is
     assert last.startswith("traces: ")
     where = last.removeprefix("traces: ")
@@ -128,29 +131,41 @@ def test_ops_inside_another_op_count_once():
     assert trace.op_seconds(events, "jit_other") == {}
 
 
-def _attend(q, k, v):
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
-
-
-def test_the_trace_names_the_rewritten_programs_site_ops(tmp_path):
-    q = jnp.ones((1, 1024, 2, 64), jnp.float32)
-    (f,) = capture_function(jax.jit(_attend), q, q, q)
-    _, rewritten = rewrite_captured(f)
-    compiled = rewritten.compiled("cpu")
-    _, events = trace.traced_run(compiled, [q, q, q], str(tmp_path), repeats=1)
-    by_site = trace.scope_sites(compiled.as_text())
-    seconds = trace.op_seconds(events, "jit__attend")
-    on_site = {op for op in seconds if by_site.get(op) == 1}
-    assert on_site, (sorted(seconds), by_site)
-    # The XSpace file says the same as the Chrome trace JSON it is read before.
-    (run_dir,) = glob.glob(str(tmp_path / "plugins" / "profile" / "*"))
+def test_the_xspace_file_says_what_the_chrome_trace_says(model, tmp_path):
+    where = tmp_path / "prof"
+    assert run("profile", model + ":attend", "--trace", str(where), "--repeats", "1"
+               ).returncode == 0
+    side = where / "001_jit_attend" / "rewritten"
+    from_json = trace.op_seconds(trace.read_events(str(side)), "jit_attend")
+    assert from_json
+    (run_dir,) = glob.glob(str(side / "plugins" / "profile" / "*"))
     for path in glob.glob(os.path.join(run_dir, "*.trace.json.gz")):
         os.remove(path)
     if not hasattr(jax.profiler, "ProfileData"):
         pytest.skip(f"jax {jax.__version__} has no jax.profiler.ProfileData")
-    assert trace.op_seconds(trace.read_events(str(tmp_path)), "jit__attend").keys() == \
-        seconds.keys()
+    from_xspace = trace.op_seconds(trace.read_events(str(side)), "jit_attend")
+    assert from_xspace.keys() == from_json.keys()
+
+
+def test_the_rewritten_programs_ops_carry_their_site(tmp_path):
+    def attend(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    q = jnp.ones((1, 1024, 2, 64), jnp.float32)
+    (f,) = capture_function(jax.jit(attend), q, q, q)
+    _, rewritten = rewrite_captured(f)
+    by_site = trace.scope_sites(rewritten.optimized("cpu"))
+    assert by_site and set(by_site.values()) == {1}
+    assert not trace.scope_sites(f.optimized("cpu"))  # native ops carry no site scope
+
+
+def test_tracing_refuses_a_process_that_loaded_libtpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(trace, "libtpu_loaded", lambda: True)
+    with pytest.raises(trace.ProfilerUnsafe, match=r"^jax.profiler crashes in a process that "
+                       r"loaded libtpu .*`hlotool profile SCRIPT`$"):
+        trace.traced_run(lambda: None, [], str(tmp_path))
+    assert not os.listdir(tmp_path)  # refused before the profiler started
 
 
 def test_no_trace_is_one_line(tmp_path):

@@ -49,13 +49,35 @@ class OpEvent:
     seconds: float
 
 
+class ProfilerUnsafe(HlotoolError):
+    """This process cannot start jax's profiler."""
+
+
+def libtpu_loaded() -> bool:
+    """Whether this process has libtpu mapped (a deviceless TPU compile loads it)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return "libtpu" in f.read()
+    except OSError:  # no /proc (not Linux): nothing to check
+        return False
+
+
 def traced_run(compiled: Any, arrays: Sequence[Any], log_dir: str, repeats: int = 3
                ) -> tuple[float, list[OpEvent]]:
     """Run `compiled(*arrays)` once untraced (warm-up), then `repeats` times under
     `jax.profiler.trace(log_dir)`. Returns the median wall seconds per call and the trace's
-    op events."""
+    op events.
+
+    Refuses (`ProfilerUnsafe`) in a process that loaded libtpu: with jax 0.10.2 and libtpu
+    0.0.52, starting the profiler there is a segmentation fault (libtpu registers its own
+    profiler; measured on this machine, with the device tracer off too). `hlotool profile`
+    never compiles for TPU, so its own process is safe."""
     import jax
 
+    if libtpu_loaded():
+        raise ProfilerUnsafe(
+            "jax.profiler crashes in a process that loaded libtpu (a TPU target was compiled "
+            "here): trace in a process of its own, e.g. `hlotool profile SCRIPT`")
     jax.block_until_ready(compiled(*arrays))
     times = []
     with jax.profiler.trace(log_dir):
