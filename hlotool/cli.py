@@ -867,8 +867,8 @@ def _memory_gate(rows: Sequence[Any], enabled: bool) -> None:
     for row in grown:
         _error(f"memory grows: {growth_line(row)}")
     if grown:
-        _error(f"{len(grown)} rewritten program{'s' if len(grown) != 1 else ''} need more "
-               "memory than native (--fail-on-memory-growth)")
+        _error(f"{len(grown)} rewritten program{'s need' if len(grown) != 1 else ' needs'} "
+               "more memory than native (--fail-on-memory-growth)")
         sys.exit(EXIT_FINDINGS)
 
 

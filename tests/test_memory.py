@@ -54,7 +54,7 @@ def test_short_sequences_in_the_chunked_kernel_grow_memory_on_cpu(model):
     assert row["native"]["arguments"] == row["rewritten"]["arguments"]
     lines = result.stderr.strip().splitlines()
     assert lines[-2].startswith("hlotool: memory grows: padded on cpu: rewritten needs ")
-    assert lines[-1] == ("hlotool: 1 rewritten program need more memory than native "
+    assert lines[-1] == ("hlotool: 1 rewritten program needs more memory than native "
                          "(--fail-on-memory-growth)")
 
 
