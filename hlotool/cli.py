@@ -649,8 +649,8 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
         for file in write_model_explorer(diffs, where, force=force):
             click.echo(printable(os.path.join(output, os.path.basename(file))), err=as_json)
         if not open_viewer:
-            _echo(term.wrap("open both: " + " ".join(open_command(output)), "", "  "), term,
-                  err=True)
+            _echo(term.wrap("open both: " + " ".join(open_command(output)) + " (with each "
+                            "side's overlays: hlotool diff … --open)", "", "  "), term, err=True)
     elif fmt is not None:
         with progress(f"drawing {fmt} pieces"):
             files = render.write_pieces(diffs, where, fmt, hops, force=force)

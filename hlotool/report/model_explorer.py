@@ -256,10 +256,11 @@ def write_model_explorer(diffs: Sequence[FunctionDiff], directory: str,
 
 
 def open_command(directory: str) -> list[str]:
-    """The `model-explorer` command line that opens both graphs with their change overlays."""
+    """The `model-explorer` command line that opens both graphs. Its --node_data_paths
+    cannot name the model an overlay is for (all go to the first), so overlays are left to
+    `hlotool diff --open` or the viewer's "Add per-node data"."""
     models = ",".join(os.path.join(directory, f"{n}.json") for n, _ in SIDES)
-    data = ",".join(os.path.join(directory, f"{n}.change.json") for n, _ in SIDES)
-    return ["model-explorer", models, f"--node_data_paths={data}"]
+    return ["model-explorer", models]
 
 
 def serve(directory: str, host: str = "localhost", port: int = 8080) -> None:
