@@ -47,10 +47,17 @@ _MAX_ARGS_SHOWN = 4
 _EXIT_CODES = f"""\b
 Exit status:
   {0}    success
-  {EXIT_FINDINGS}    findings: `inspect --fail-on-sites` found naive attention
+  {EXIT_FINDINGS}    findings: `inspect --fail-on-sites` found naive attention, or
+       `rewrite`/`diff --fail-on-memory-growth` a rewrite that needs more memory
   {EXIT_BAD_INPUT}    bad input: the script, an argument, a target, an output file
   {EXIT_INTERNAL}    internal error in hlotool (rerun with --debug, please report it)
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)"""
+
+_MEMORY_GROWTH_HELP = (
+    f"Exit with status {EXIT_FINDINGS} when a rewritten program needs more memory than the "
+    "native one on any target: by XLA's memory_analysis, the larger of its peak and "
+    "arguments + outputs − aliased + temporaries; for CI.")
+
 
 _TARGET_HELP = (
     "Compile target: "
@@ -238,28 +245,39 @@ def inspect(
     what XLA does with it natively: the fusions and custom calls of the optimized program
     that hold its work (XLA:TPU's own online-softmax shows here) and the [.., Lq, Lk]
     score buffers that remain; a program too big for a TPU's HBM is reported as that
-    finding. Also lists each function with its arguments and program size per stage for
-    the first --target.
+    finding. Calls the program already makes into an attention kernel (hlotool's own
+    rewrite, jax's Pallas flash/splash/mha, cuDNN fused attention, tokamax) are listed per
+    --target as "already a kernel" with their shapes (--json: "kernels"). Also lists each
+    function with its arguments and program size per stage for the first --target.
 
     SCRIPT:NAME keeps only functions whose name matches NAME: a glob when NAME contains
     * ? or [ (matched against the whole name), otherwise a substring. Arguments after
     `--` are passed to the script. The script's own output goes to stderr.
     """
-    from hlotool.passes.from_hlo import detect_captured, near_misses_captured
-    from hlotool.report.sites import render_near_misses, render_sites, sites_document
+    from hlotool.passes.from_hlo import detect_hlo, near_misses_hlo
+    from hlotool.passes.kernel_calls import kernel_calls_captured
+    from hlotool.report.sites import (
+        render_kernel_calls, render_near_misses, render_sites, sites_document,
+    )
     from hlotool.targets import get_target
 
     names = [get_target(t).name for t in dict.fromkeys(targets)]
     path, functions = _capture(script, script_args)
-    sites = detect_captured(functions)
-    misses = near_misses_captured(functions) if why_not else []
+    # Detected in the first target's program: a function that calls a TPU kernel lowers for
+    # TPU only (a Pallas TPU call has no CPU lowering outside interpret mode).
+    programs = [(f, f.hlo(debug_info=True, target=names[0])) for f in functions]
+    sites = [s for f, text in programs for s in detect_hlo(text, f.name)]
+    misses = [m for f, text in programs for m in near_misses_hlo(text, f.name)] \
+        if why_not else []
+    calls = [c for t in names for c in kernel_calls_captured(functions, t)]
     with_sites = {s.function for s in sites}
     failed = _compile(functions, names, lambda f, t: t == names[0] or f.name in with_sites)
     rows = [(f, _instruction_counts(f, names[0], failed)) for f in functions]
     fates = _native_fates(functions, sites, names, failed)
     term = Term.of()
     if as_json:
-        doc = sites_document(sites, **_inspect_report(path, names, rows))
+        doc = sites_document(sites, kernels=[c.to_json() for c in calls],
+                             **_inspect_report(path, names, rows))
         for entry, by_target in zip(doc["sites"], fates):
             entry["native"] = {t: fate if isinstance(fate, dict) else fate.to_json()
                                for t, fate in by_target.items()}
@@ -275,6 +293,9 @@ def inspect(
         if sites:
             out += [render_sites(sites, term), f"\nWhat XLA does natively ({', '.join(names)}):",
                     _native_table(fates, term)]
+        if calls:
+            out += [f"\n{len(calls)} call{'s' if len(calls) != 1 else ''} already in an "
+                    f"attention kernel ({', '.join(names)})", render_kernel_calls(calls, term)]
         if why_not:
             out += [f"\n{len(misses)} near miss{'es' if len(misses) != 1 else ''} (almost "
                     "attention, not detected)", render_near_misses(misses, term)]
@@ -559,72 +580,138 @@ Examples:
               help="Steps around each changed site drawn in the pictures.")
 @click.option("-o", "--output", "output", type=click.Path(),
               help="HTML report file; with --format, the directory for the pieces.")
-@click.option("--format", "fmt", type=click.Choice(("svg", "png", "dot", "txt")),
+@click.option("--format", "fmt", type=click.Choice(("svg", "png", "dot", "txt",
+                                                    "model-explorer")),
               help="Write pieces instead of one HTML report: each site's native/rewritten "
-              "picture (svg, png, dot) or each function's text diff (txt).")
+              "picture (svg, png, dot), each function's text diff (txt), or both programs "
+              "as Model Explorer graphs with change, FLOPs and bytes overlays "
+              "(model-explorer: native.json, rewritten.json, NAME.OVERLAY.json).")
+@click.option("--open", "open_viewer", is_flag=True,
+              help="With --format model-explorer: start Model Explorer on localhost with "
+              "both graphs (pip install \"hlotool[explorer]\"); Ctrl-C stops it.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True,
+              help="With --open: Model Explorer's port.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document on stdout: per function the change counts and "
+              "the memory of both programs.")
+@click.option("--fail-on-memory-growth", is_flag=True, help=_MEMORY_GROWTH_HELP)
 @_force_option
 @_fail_cleanly
 def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, kernel: str,
-         hops: int, output: str | None, fmt: str | None, force: bool) -> None:
+         hops: int, output: str | None, fmt: str | None, open_viewer: bool, port: int,
+         as_json: bool, fail_on_memory_growth: bool, force: bool) -> None:
     """Run SCRIPT and diff each compiled function, native vs hlotool.flash_jit.
 
     Instructions are matched by structure (opcode, shape, operands), not by XLA's names.
     Without -o: one summary line per function and per attention site. -o report.html
     writes one self-contained HTML page (inline SVG; needs graphviz's `dot`) with each
     site's neighbourhood, native and rewritten side by side at one scale; a kernel is one
-    box there, its inside drawn below on demand. SCRIPT:NAME and `--` script arguments
-    work as for `inspect`.
+    box there, its inside drawn below on demand. Each diffed function's memory, native →
+    rewritten on --target (XLA's memory_analysis), follows the summary (--json: under
+    "memory"). SCRIPT:NAME and `--` script arguments work as for `inspect`.
     """
     from hlotool.report import render
+    from hlotool.report.memory import memory_row, render_memory
     from hlotool.targets import get_target
 
     compile_target = get_target(target)
     if fmt is not None and output is None:
         raise HlotoolError(f"--format {fmt} writes files: name a directory with -o")
+    if open_viewer and fmt != "model-explorer":
+        raise HlotoolError("--open starts Model Explorer: use it with --format model-explorer")
+    if open_viewer:
+        _need_model_explorer()
     if fmt is not None:
         where = _output_dir(output)
     elif output is not None:
         where = _output_file(output, force)
     path, functions = _capture(script, script_args)
     term = Term.of()
-    diffs, verdicts, notes = [], [], []
+    diffs, verdicts, notes, memory = [], [], [], []
     for f in functions:
         with progress(f"diffing {f.name} ({stage}, {compile_target.name})"):
-            result, verdict = _diff_function(f, stage, compile_target, kernel)
+            result, verdict, rewritten = _diff_function(f, stage, compile_target, kernel)
         if isinstance(result, str):
             notes.append(result)
-        else:
-            diffs.append(result)
-            verdicts.append(verdict)
-    if not diffs:
+            continue
+        diffs.append(result)
+        verdicts.append(verdict)
+        with progress(f"compiling native and rewritten {f.name} for {compile_target.name}"):
+            memory.append(memory_row(f, rewritten, compile_target.name))
+    if not diffs and not as_json:
         _echo(term.wrap(f"nothing to diff in {printable(path)}:"), term)
         for note in notes:
             _echo(term.wrap(printable(note), "  ", "    "), term)
         return
-    if fmt is not None:
+    files_made = fmt is not None or output is not None
+    if fmt == "model-explorer":
+        from hlotool.report.model_explorer import open_command, write_model_explorer
+
+        for file in write_model_explorer(diffs, where, force=force):
+            click.echo(printable(os.path.join(output, os.path.basename(file))), err=as_json)
+        if not open_viewer:
+            _echo(term.wrap("open both: " + " ".join(open_command(output)) + " (with each "
+                            "side's overlays: hlotool diff … --open)", "", "  "), term, err=True)
+    elif fmt is not None:
         with progress(f"drawing {fmt} pieces"):
             files = render.write_pieces(diffs, where, fmt, hops, force=force)
         for file in files:
-            click.echo(printable(os.path.join(output, os.path.basename(file))))
+            click.echo(printable(os.path.join(output, os.path.basename(file))), err=as_json)
     elif output is not None:
         with progress("drawing the report's graphs"):
             page = render.html_report(diffs, hops, title=f"hlotool diff {os.path.basename(path)}",
                                       verdicts=verdicts)
         write_output(where, page, force=force)
-        click.echo(printable(output))
-    else:
+        click.echo(printable(output), err=as_json)
+    elif not as_json:
         _echo(render.text_summary(diffs, verdicts, term), term)
-    for note in notes:
-        _echo(term.wrap(f"skipped {printable(note)}", "", "  "), term,
-              err=fmt is not None or output is not None)
+    if as_json:
+        click.echo(json.dumps({
+            "version": 1, "script": path, "stage": stage, "target": compile_target.name,
+            "kernel": kernel,
+            "functions": [{"function": d.function, "changes": d.diff.stats().line(),
+                           "sites": sum(c.site is not None for c in d.changes),
+                           **({"verdict": v} if v else {})} for d, v in zip(diffs, verdicts)],
+            "memory": [m.to_json() for m in memory], "skipped": notes}, indent=2))
+    else:
+        if memory:
+            _echo(f"\nMemory, native → rewritten (XLA memory_analysis, {compile_target.name})\n"
+                  + render_memory(memory, term), term, err=files_made)
+        for note in notes:
+            _echo(term.wrap(f"skipped {printable(note)}", "", "  "), term, err=files_made)
+    if open_viewer:
+        _serve_model_explorer(where, port)
+    _memory_gate(memory, fail_on_memory_growth)
+
+
+def _need_model_explorer() -> None:
+    """Fail before the script runs when --open cannot start the viewer."""
+    import importlib.util
+
+    if importlib.util.find_spec("model_explorer") is None:
+        raise HlotoolError('--open needs Model Explorer: pip install "hlotool[explorer]" '
+                           "(or ai-edge-model-explorer)")
+
+
+def _serve_model_explorer(directory: str, port: int) -> None:
+    """Run Model Explorer on localhost until Ctrl-C, which ends the command normally."""
+    from hlotool.report.model_explorer import serve
+
+    click.echo(f"starting Model Explorer on http://localhost:{port} (Ctrl-C stops it)",
+               err=True)
+    try:
+        serve(directory, port=port)
+    except KeyboardInterrupt:
+        click.echo("Model Explorer stopped", err=True)
 
 
 def _diff_function(f: CapturedFunction, stage: str, target: Target, kernel: str
-                   ) -> tuple[Any, str | None]:
-    """`f` native vs rewritten by flash_jit at `stage`: a `FunctionDiff` and, where `kernel`
+                   ) -> tuple[Any, str | None, CapturedFunction | None]:
+    """`f` native vs rewritten by flash_jit at `stage`: a `FunctionDiff`, where `kernel`
     is auto and auto keeps every site native, the verdict of auto above a diff with the
-    kernel `target`'s platform would use if it paid. A one-line reason instead of the
-    diff when `f` has no site or no kernel could take one."""
+    kernel `target`'s platform would use if it paid, and the rewritten function. A one-line
+    reason instead of the diff (and no function) when `f` has no site or no kernel could
+    take one."""
     import jax
     from jax.extend.core import jaxpr_as_fun
 
@@ -634,7 +721,7 @@ def _diff_function(f: CapturedFunction, stage: str, target: Target, kernel: str
     native_pre = f.hlo(target=target.name)
     sites = site_nodes(native_pre, f.name)
     if not sites:
-        return f"{f.name}: no attention site", None
+        return f"{f.name}: no attention site", None, None
     fun = jaxpr_as_fun(f.closed_jaxpr)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in f.in_avals]
     verdict = None
@@ -646,7 +733,7 @@ def _diff_function(f: CapturedFunction, stage: str, target: Target, kernel: str
             report = explain(fun, *args, kernel=kernel)
     if not report.rewritten:
         # Nothing to diff: a re-traced copy of the same program differs only in XLA's noise.
-        return _left_native(f, report), None
+        return _left_native(f, report), None, None
     _, rewritten = rewrite_captured(f, kernel)
     if stage == "hlo":
         d = diff_modules(native_pre, rewritten.hlo(target=target.name))
@@ -654,8 +741,8 @@ def _diff_function(f: CapturedFunction, stage: str, target: Target, kernel: str
         d = diff_modules(f.optimized(target.name), rewritten.optimized(target.name))
         sites = [(site, set(), lines) for site, _, lines in sites]
     if d.unchanged:
-        return _left_native(f, report), None
-    return FunctionDiff(f.name, stage, target.name, d, by_site(d, sites)), verdict
+        return _left_native(f, report), None, None
+    return FunctionDiff(f.name, stage, target.name, d, by_site(d, sites)), verdict, rewritten
 
 
 def _left_native(f: CapturedFunction, report: Any) -> str:
@@ -695,8 +782,10 @@ def _kernel_if_it_paid(report: Any, platform: str) -> tuple[str, str] | None:
     epilog="""\b
 Examples:
   hlotool rewrite examples/causal_decoder.py
+  hlotool rewrite examples/causal_decoder.py --target cpu --target tpu-v5e -- --seq-len 1024
   hlotool rewrite examples/causal_decoder.py:forward --stage hlo -o out/
-  hlotool rewrite examples/flax_model.py --kernel chunked --json -- --seq-len 256""",
+  hlotool rewrite examples/flax_model.py --kernel chunked --json -- --seq-len 256
+  hlotool rewrite examples/causal_decoder.py --fail-on-memory-growth -- --seq-len 1024""",
 )
 @_script_argument
 @_kernel_option("auto (the cost model's choice per platform) or a kernel name from "
@@ -704,49 +793,84 @@ Examples:
 @click.option("--stage", type=click.Choice(STAGE_NAMES),
               help="With -o: write each rewritten program at this stage.")
 @click.option(
-    "--target", "target", default="cpu", show_default=True, metavar="NAME", help=_TARGET_HELP
-)
+    "--target", "targets", default=("cpu",), multiple=True, show_default=True, metavar="NAME",
+    help=_TARGET_HELP + " Repeat it to compare memory (and write -o stages) on several.")
 @click.option("-o", "--output", "output", type=click.Path(file_okay=False),
               help="Directory for the rewritten programs (created if missing).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("--fail-on-memory-growth", is_flag=True, help=_MEMORY_GROWTH_HELP)
 @_force_option
 @_fail_cleanly
 def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str | None,
-            target: str, output: str | None, as_json: bool, force: bool) -> None:
+            targets: tuple[str, ...], output: str | None, as_json: bool,
+            fail_on_memory_growth: bool, force: bool) -> None:
     """Run SCRIPT and rewrite each compiled function as hlotool.flash_jit would.
 
     Prints, per attention site, the kernel chosen on each platform (cpu, tpu, cuda) or why
-    it stays native. --stage with -o writes each rewritten program like `dump`, as
+    it stays native. Then, per function with a rewritten site and per --target, XLA's
+    memory_analysis of the native and the rewritten program side by side (arguments,
+    outputs, aliased, temporaries, XLA's peak) and what each needs: the larger of the peak
+    and arguments + outputs − aliased + temporaries (XLA:CPU's peak leaves temporaries out,
+    XLA:TPU's temporaries leave out its fusions' buffers). --stage with -o writes each rewritten program like `dump`, as
     NNN_jit_NAME.flash.<stage file>. SCRIPT:NAME and `--` script arguments work as for
     `inspect`.
     """
     from hlotool.flash import rewrite_captured
+    from hlotool.report.memory import memory_row, render_memory
     from hlotool.report.rewrite import render_rewrite
     from hlotool.targets import get_target
 
     if (stage is None) != (output is None):
         raise HlotoolError("--stage and -o go together: name both to write rewritten programs")
-    compile_target = get_target(target)
+    compile_targets = [get_target(t) for t in dict.fromkeys(targets)]
     directory = _output_dir(output) if output is not None else None
     path, functions = _capture(script, script_args)
-    reports = []
+    reports, memory = [], []
     for f in functions:
         with progress(f"rewriting {f.name}"):
             report, rewritten = rewrite_captured(f, kernel)
         reports.append(report)
-        if directory is not None:
-            stem, _, rest = f.stage_filename(stage, compile_target).partition(".")
+        written = set()
+        for t in compile_targets if directory is not None else ():
+            stem, _, rest = f.stage_filename(stage, t).partition(".")
             name = f"{stem}.flash.{rest}"
-            with progress(f"{stage} of the rewritten {f.name} for {compile_target.name}"):
-                text = rewritten.stage_text(stage, compile_target)
+            if name in written:  # the jaxpr is the same for every target
+                continue
+            written.add(name)
+            with progress(f"{stage} of the rewritten {f.name} for {t.name}"):
+                text = rewritten.stage_text(stage, t)
             write_output(os.path.join(directory, name), text, force=force, listed=True)
             click.echo(printable(os.path.join(output, name)), err=as_json)
+        if report.rewritten:
+            for t in compile_targets:
+                with progress(f"compiling native and rewritten {f.name} for {t.name}"):
+                    memory.append(memory_row(f, rewritten, t.name))
     if as_json:
         click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,
-                               "functions": [r.to_json() for r in reports]}, indent=2))
-        return
-    term = Term.of()
-    _echo("\n".join(render_rewrite(r, term) for r in reports), term)
+                               "targets": [t.name for t in compile_targets],
+                               "functions": [r.to_json() for r in reports],
+                               "memory": [m.to_json() for m in memory]}, indent=2))
+    else:
+        term = Term.of()
+        out = [render_rewrite(r, term) for r in reports]
+        if memory:
+            out += [f"\nMemory, native → rewritten (XLA memory_analysis; "
+                    f"{', '.join(t.name for t in compile_targets)})", render_memory(memory, term)]
+        _echo("\n".join(out), term)
+    _memory_gate(memory, fail_on_memory_growth)
+
+
+def _memory_gate(rows: Sequence[Any], enabled: bool) -> None:
+    """--fail-on-memory-growth: one line per growth on stderr, then `EXIT_FINDINGS`."""
+    from hlotool.report.memory import growth, growth_line
+
+    grown = growth(rows) if enabled else []
+    for row in grown:
+        _error(f"memory grows: {growth_line(row)}")
+    if grown:
+        _error(f"{len(grown)} rewritten program{'s need' if len(grown) != 1 else ' needs'} "
+               "more memory than native (--fail-on-memory-growth)")
+        sys.exit(EXIT_FINDINGS)
 
 
 @cli.command(
@@ -794,6 +918,68 @@ def cost(script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as
     _echo(cost_report(path, functions, targets, as_json=as_json, backward=backward,
                       with_xla=not no_xla, measure=measure, plot_path=plot_file,
                       plot_shown=plot_path, force=force, term=term), term)
+
+
+@cli.command(
+    cls=_ScriptCommand,
+    short_help="Run SCRIPT, then trace native and rewritten programs on this host.",
+    epilog="""\b
+Examples:
+  hlotool profile examples/causal_decoder.py -- --seq-len 1024
+  hlotool profile examples/causal_decoder.py:forward --trace prof/ -- --seq-len 2048
+  tensorboard --logdir prof/     # or XProf: both runs of each function side by side""",
+)
+@_script_argument
+@_kernel_option("Kernel flash_jit uses: auto (the cost model's choice per platform) or a "
+                "name from hlotool.kernels.")
+@click.option("--trace", "trace_dir", type=click.Path(file_okay=False),
+              help="Directory for the jax.profiler traces (kept; default: a new temporary "
+              "directory, printed). A directory holding files hlotool did not write is "
+              "refused unless --force.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Traced calls of each program, after one untraced warm-up call.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@_force_option
+@_fail_cleanly
+def profile(script: str, script_args: tuple[str, ...], kernel: str, trace_dir: str | None,
+            repeats: int, as_json: bool, force: bool) -> None:
+    """Run SCRIPT, then run each function native and as flash_jit rewrites it on this host
+    under jax.profiler, and print per-site time from the traces beside the cost model's.
+
+    Each function with a site rewritten for the CPU is compiled both ways, warmed up and run
+    --repeats times per trace, on random inputs of its argument shapes. Per site: the time of
+    its ops in each trace (a rewritten site's ops carry its hlotool/siteN:FILE:LINE scope; a
+    native site's are the fusions XLA put its work in), their ratio, and the cost model's
+    predicted native and kernel times for the host. Per function: wall and op time per call.
+    The traces stay in --trace (TRACE/NNN_jit_NAME/native and …/rewritten) for TensorBoard
+    or XProf; the path is printed. SCRIPT:NAME and `--` script arguments work as for
+    `inspect`.
+    """
+    from hlotool.report.profile import (
+        check_trace_dir, list_in_manifest, profile_function, render_profile,
+    )
+
+    if trace_dir is not None:
+        where = check_trace_dir(trace_dir, force)
+    else:
+        where = tempfile.mkdtemp(prefix="hlotool-profile-")
+    path, functions = _capture(script, script_args)
+    profiles = []
+    for f in functions:
+        with progress(f"tracing {f.name} native and rewritten ({repeats} calls each)"):
+            profiles.append(profile_function(f, where, kernel, repeats))
+        if profiles[-1].traces:
+            list_in_manifest(where, [f.file_stem])
+    if as_json:
+        click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,
+                               "trace_dir": where, "repeats": repeats,
+                               "functions": [p.to_json() for p in profiles]}, indent=2))
+    else:
+        term = Term.of()
+        _echo(render_profile(profiles, term), term)
+    traced = [p for p in profiles if p.traces]
+    click.echo(f"traces: {printable(where)}" if traced else
+               f"nothing traced (an empty {printable(where)} is left)", err=as_json)
 
 
 cli.add_command(doctor)

@@ -11,7 +11,7 @@ import os
 
 # Exit codes of every hlotool command; a CI gate tells them apart (README, `hlotool --help`).
 EXIT_OK = 0
-EXIT_FINDINGS = 1  # `inspect --fail-on-sites` found naive attention
+EXIT_FINDINGS = 1  # a CI gate fired: `inspect --fail-on-sites`, `--fail-on-memory-growth`
 EXIT_BAD_INPUT = 2  # the user's input: script, arguments, target, an output file, HLO text
 EXIT_INTERNAL = 3  # a bug in hlotool (or in a library under it): rerun with --debug
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT

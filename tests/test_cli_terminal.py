@@ -151,10 +151,10 @@ def test_exit_codes_tell_findings_bad_input_and_bugs_apart(model, monkeypatch):
 
     import hlotool.passes.from_hlo as from_hlo
 
-    def broken(functions):
+    def broken(module, function=""):
         raise RuntimeError("detector bug")
 
-    monkeypatch.setattr(from_hlo, "detect_captured", broken)
+    monkeypatch.setattr(from_hlo, "detect_hlo", broken)
     bug = run("inspect", model, "--fail-on-sites")
     assert bug.exit_code == 3
     assert bug.stderr.splitlines()[-1] == (

@@ -44,6 +44,19 @@ HEADERS = ("#", "function", "source", "layout", "q k v", "dtype", "heads q/kv", 
            "mask", "scores")
 
 
+KERNEL_HEADERS = ("#", "function", "source", "target", "already a kernel", "library", "q k v",
+                  "dtype", "recognised by")
+
+
+def render_kernel_calls(calls: Sequence[Any], term: Term | None = None) -> str:
+    """Calls a program already makes into an attention kernel
+    (`hlotool.passes.kernel_calls.KernelCall`), one row each, fitted to `term`."""
+    rows = [[str(i), c.function, c.source or "?", c.target, c.kernel, c.library, c.shapes(),
+             c.dtype, c.evidence] for i, c in enumerate(calls, 1)]
+    return format_table(KERNEL_HEADERS, rows, right_aligned={0}, wrap={1: 10, 2: 30, 6: 11, 8: 20},
+                        optional=(8, 7, 5, 3), term=term)
+
+
 def render_sites(sites: Sequence[AttentionSite], term: Term | None = None) -> str:
     """An aligned text table, one row per site, fitted to `term`; says so when there are
     none."""

@@ -1,0 +1,244 @@
+"""`hlotool profile`: native and rewritten programs run on this host under `jax.profiler`, per
+site time read from the trace beside the cost model's prediction.
+
+    prof = profile_function(captured, trace_dir, kernel="auto", repeats=3)
+    print(render_profile([prof]))
+    prof.to_json()
+
+Per function with a site rewritten for the CPU: the native program and flash_jit's, each
+compiled for the host, warmed up, then run `repeats` times inside `jax.profiler.trace`, each
+into its own log directory (TRACE_DIR/NNN_jit_NAME/native and …/rewritten: two runs side by
+side in TensorBoard / XProf). A rewritten site's time is its ops' (they carry the site's
+`hlotool/siteN:FILE:LINE` scope); a native site's is that of the fusions and calls XLA put
+its work in (`passes.native`). Op times are summed over XLA:CPU's threads, so a function's
+op time can exceed its wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from hlotool.errors import HlotoolError
+from hlotool.report.console import Term, printable
+from hlotool.report.table import format_table
+from hlotool.units import format_seconds
+
+if TYPE_CHECKING:
+    from hlotool.capture import CapturedFunction
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteProfile:
+    """One site: seconds per call measured in the trace (native, rewritten) and predicted by
+    the cost model for the host (native, kernel). kernel: the CPU's kernel, None where the
+    site stays native on the CPU (then both sides run the same equations)."""
+
+    function: str
+    index: int  # the N of hlotool/siteN
+    source: str
+    q_shape: tuple[int, ...]
+    kernel: str | None
+    native_seconds: float | None
+    rewritten_seconds: float | None
+    predicted_native_seconds: float
+    predicted_kernel_seconds: float
+
+    @property
+    def measured_ratio(self) -> float | None:
+        if not self.native_seconds or not self.rewritten_seconds:
+            return None
+        return self.native_seconds / self.rewritten_seconds
+
+    @property
+    def predicted_ratio(self) -> float:
+        return self.predicted_native_seconds / self.predicted_kernel_seconds
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["q_shape"] = list(self.q_shape)
+        out["measured_ratio"] = self.measured_ratio
+        out["predicted_ratio"] = self.predicted_ratio
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionProfile:
+    """One function: wall and traced op seconds per call of both programs, its sites, where
+    the traces are, and a note where part of it could not be measured."""
+
+    function: str
+    repeats: int
+    native_wall: float | None = None
+    rewritten_wall: float | None = None
+    native_ops: float | None = None
+    rewritten_ops: float | None = None
+    sites: tuple[SiteProfile, ...] = ()
+    traces: dict[str, str] = dataclasses.field(default_factory=dict)
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["sites"] = [s.to_json() for s in self.sites]
+        return out
+
+
+def _args(f: CapturedFunction) -> list[Any]:
+    import jax
+
+    from hlotool.cost.xla import example_arrays
+
+    return example_arrays(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in f.in_avals))
+
+
+def _module_name(f: CapturedFunction) -> str:
+    from hlotool.hlo import parse_module
+
+    return parse_module(f.optimized("cpu")).name
+
+
+def _native_site_ops(f: CapturedFunction) -> list[tuple[Any, set[str]]]:
+    from hlotool.passes.native import native_fate
+
+    return [(fate.site, {p.name for p in fate.placements}) for fate in native_fate(f, "cpu")]
+
+
+def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
+                     repeats: int = 3) -> FunctionProfile:
+    """Trace `f` native and rewritten on the host; see the module docstring."""
+    from hlotool.cost.model import analytic
+    from hlotool.cost.trace import TraceUnreadable, op_seconds, scope_sites, traced_run
+    from hlotool.flash import rewrite_captured
+
+    report, rewritten = rewrite_captured(f, kernel)
+    if not report.sites:
+        return FunctionProfile(f.name, repeats, note="no attention site")
+    if not any(s.kernels.get("cpu") for s in report.sites):
+        reasons = "; ".join(dict.fromkeys(s.reason for s in report.sites))
+        return FunctionProfile(f.name, repeats,
+                               note=f"flash_jit keeps every site native on the cpu ({reasons})")
+    arrays = _args(f)
+    traces = {side: os.path.join(trace_dir, f.file_stem, side)
+              for side in ("native", "rewritten")}
+    walls, ops, notes = {}, {}, []
+    for side, program in (("native", f), ("rewritten", rewritten)):
+        os.makedirs(traces[side], exist_ok=True)
+        try:
+            walls[side], events = traced_run(program.compiled("cpu"), arrays, traces[side],
+                                             repeats)
+            ops[side] = op_seconds(events, _module_name(program), calls=repeats)
+        except TraceUnreadable as e:
+            notes.append(f"{side}: {e}")
+            ops[side] = None
+    by_scope = scope_sites(rewritten.optimized("cpu")) if ops.get("rewritten") else {}
+    unused = list(_native_site_ops(f)) if ops.get("native") is not None else []
+    sites = []
+    for index, s in enumerate(report.sites, 1):
+        site, cpu_kernel = s.site, s.kernels.get("cpu")
+        native_s = None
+        # Native fates come in the HLO's order; pair them with the jaxpr's sites by source
+        # line and shape, in order (two layers written by one line are two sites).
+        for i, (fate_site, names) in enumerate(unused):
+            if (fate_site.source, fate_site.q_shape) == (site.source, site.q_shape):
+                native_s = sum(ops["native"].get(n, 0.0) for n in names)
+                del unused[i]
+                break
+        rewritten_s = (sum(t for op, t in ops["rewritten"].items() if by_scope.get(op) == index)
+                       if ops.get("rewritten") is not None else None)
+        if ops.get("rewritten") is not None and not cpu_kernel:
+            rewritten_s = None  # native on the CPU: no scope of its own to sum
+        predicted_native = analytic(site, "cpu", "native").seconds
+        predicted_kernel = (analytic(site, "cpu", "kernel").seconds if cpu_kernel
+                            else predicted_native)
+        sites.append(SiteProfile(f.name, index, site.source, tuple(site.q_shape), cpu_kernel,
+                                 native_s, rewritten_s, predicted_native, predicted_kernel))
+    return FunctionProfile(
+        f.name, repeats, walls.get("native"), walls.get("rewritten"),
+        sum(ops["native"].values()) if ops.get("native") is not None else None,
+        sum(ops["rewritten"].values()) if ops.get("rewritten") is not None else None,
+        tuple(sites), traces, "; ".join(notes))
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else format_seconds(seconds)
+
+
+def _ratio(ratio: float | None) -> str:
+    return "-" if ratio is None else f"×{ratio:.2f}"
+
+
+SITE_HEADERS = ("function", "site", "source", "kernel", "native (trace)", "rewritten (trace)",
+                "measured", "predicted native", "predicted kernel", "predicted")
+FUNCTION_HEADERS = ("function", "native wall", "rewritten wall", "native ops",
+                    "rewritten ops", "speed-up (wall)")
+
+
+def render_profile(profiles: Sequence[FunctionProfile], term: Term | None = None) -> str:
+    """Per function its wall and op time, then per site measured vs predicted; each
+    seconds figure is per call."""
+    term = term or Term()
+    measured = [p for p in profiles if p.native_wall is not None]
+    out = []
+    if measured:
+        rows = [[printable(p.function), _s(p.native_wall), _s(p.rewritten_wall),
+                 _s(p.native_ops), _s(p.rewritten_ops),
+                 _ratio(p.native_wall / p.rewritten_wall if p.rewritten_wall else None)]
+                for p in measured]
+        out.append(format_table(FUNCTION_HEADERS, rows, right_aligned=set(range(1, 6)),
+                                wrap={0: 10}, term=term))
+        site_rows = [[printable(s.function), f"site{s.index}", printable(s.source or "?"),
+                      s.kernel or "native", _s(s.native_seconds), _s(s.rewritten_seconds),
+                      _ratio(s.measured_ratio), _s(s.predicted_native_seconds),
+                      _s(s.predicted_kernel_seconds), _ratio(s.predicted_ratio)]
+                     for p in measured for s in p.sites]
+        out.append("\nPer site, from the trace (seconds per call; measured and predicted: "
+                   "native ÷ rewritten)")
+        out.append(format_table(SITE_HEADERS, site_rows, right_aligned=set(range(4, 10)),
+                                wrap={0: 10, 2: 20}, term=term))
+    for p in profiles:
+        if p.note:
+            out.append(term.wrap(f"{printable(p.function)}: {printable(p.note)}", "", "  "))
+    return "\n".join(out) if out else "nothing profiled"
+
+
+def check_trace_dir(path: str, force: bool) -> str:
+    """`path` made absolute and created; refused when it holds files hlotool did not put
+    there (a user's directory is never written into), unless `force`."""
+    from hlotool.errors import MANIFEST
+
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise HlotoolError(f"{path} is a file; --trace names a directory")
+    if os.path.isdir(path):
+        entries = set(os.listdir(path))
+        ours = set()
+        if MANIFEST in entries:
+            with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+                ours = set(f.read().split())
+        strangers = entries - ours - {MANIFEST}
+        if strangers and not force:
+            raise HlotoolError(f"{path} holds files hlotool did not write "
+                               f"({', '.join(sorted(strangers)[:3])}); name a new directory "
+                               "for --trace, or pass --force")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise HlotoolError(f"cannot create trace directory {path}: {e.strerror or e}") from e
+    return path
+
+
+def list_in_manifest(trace_dir: str, names: Sequence[str]) -> None:
+    """Record the entries hlotool wrote into `trace_dir`, so a later run may add to it."""
+    from hlotool.errors import MANIFEST
+
+    manifest = os.path.join(trace_dir, MANIFEST)
+    known = set()
+    if os.path.exists(manifest):
+        with open(manifest, encoding="utf-8") as f:
+            known = set(f.read().split())
+    with open(manifest, "a", encoding="utf-8") as f:
+        for name in names:
+            if name not in known:
+                f.write(name + "\n")

@@ -1,0 +1,178 @@
+"""`hlotool profile`: native and rewritten programs traced with jax.profiler on this host, per
+site time read from the trace (the site scopes make it possible) beside the cost model, and
+the trace directory kept for TensorBoard / XProf — never a user's directory."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hlotool.capture import capture_function
+from hlotool.cost import trace
+from hlotool.errors import EXIT_BAD_INPUT, MANIFEST
+from hlotool.flash import rewrite_captured
+
+MODEL = """\
+import math, jax, jax.numpy as jnp
+
+@jax.jit
+def attend(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    s = jnp.where(jnp.tril(jnp.ones((q.shape[1],) * 2, bool)), s, -1e9)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+@jax.jit
+def mlp(x):
+    return jnp.tanh(x @ x.T)
+
+q = jnp.ones((1, 1024, 2, 64), jnp.float32)
+attend(q, q, q)
+mlp(jnp.ones((8, 8)))
+"""
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(MODEL))
+    return str(path)
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    """`hlotool ARGS` in a process of its own: jax's profiler crashes in one that loaded
+    libtpu, as the test session has once a TPU target was compiled in it."""
+    env = {**os.environ, "COLUMNS": "200", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "hlotool", *args], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def test_profile_reports_per_site_time_from_the_trace_and_keeps_it(model, tmp_path):
+    where = str(tmp_path / "prof")
+    result = run("profile", model, "--trace", where, "--repeats", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["trace_dir"] == where and doc["repeats"] == 2
+    attend, mlp = doc["functions"]
+    assert mlp["note"] == "no attention site" and mlp["traces"] == {}
+    (site,) = attend["sites"]
+    assert (site["index"], site["kernel"], site["source"]) == (1, "chunked", f"{model}:5")
+    # Both sides' op time for the site comes out of the trace, and is part of the whole.
+    assert 0 < site["native_seconds"] <= attend["native_ops"]
+    assert 0 < site["rewritten_seconds"] <= attend["rewritten_ops"]
+    assert site["measured_ratio"] == pytest.approx(
+        site["native_seconds"] / site["rewritten_seconds"])
+    assert site["predicted_native_seconds"] > site["predicted_kernel_seconds"] > 0
+    # One log directory per side: TensorBoard shows two runs.
+    for side in ("native", "rewritten"):
+        assert attend["traces"][side] == os.path.join(where, "001_jit_attend", side)
+        assert glob.glob(os.path.join(where, "001_jit_attend", side, "plugins", "profile",
+                                      "*", "*.xplane.pb"))
+    assert result.stderr.strip().splitlines()[-1] == f"traces: {where}"
+    with open(os.path.join(where, MANIFEST)) as f:
+        assert f.read().split() == ["001_jit_attend"]
+
+    # hlotool's own directory takes another run; the table names the site and its kernel.
+    again = run("profile", model + ":attend", "--trace", where, "--repeats", "1")
+    assert again.returncode == 0, again.stderr
+    (row,) = [ln for ln in again.stdout.splitlines() if ln.startswith("attend    site1")]
+    assert f"{model}:5" in row and "chunked" in row
+    assert len(glob.glob(os.path.join(where, "001_jit_attend", "native", "plugins", "profile",
+                                      "*"))) == 2
+
+
+def test_profile_never_writes_into_a_users_directory(model, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    result = run("profile", model, "--trace", str(mine))
+    assert result.returncode == EXIT_BAD_INPUT
+    assert result.stderr.strip() == (
+        f"hlotool: error: {mine} holds files hlotool did not write (notes.txt); name a new "
+        "directory for --trace, or pass --force")
+    assert sorted(os.listdir(mine)) == ["notes.txt"]
+
+
+def test_profile_without_trace_makes_a_new_directory_and_prints_it(model):
+    result = run("profile", model + ":attend", "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    last = result.stdout.strip().splitlines()[-1]  # the table's last line: where it is
+    assert last.startswith("traces: ")
+    where = last.removeprefix("traces: ")
+    try:
+        assert os.path.basename(where).startswith("hlotool-profile-")
+        assert os.path.isdir(os.path.join(where, "001_jit_attend", "rewritten"))
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Reading traces
+
+
+def ev(op, start, seconds, thread="t"):
+    return trace.OpEvent(op, "jit_f", thread, start, seconds)
+
+
+def test_ops_inside_another_op_count_once():
+    events = [ev("while.1", 0.0, 10.0), ev("copy.2", 1.0, 2.0), ev("fusion.3", 10.0, 1.0),
+              ev("fusion.4", 0.5, 1.0, thread="u")]
+    assert [e.op for e in trace.outermost(events)] == ["while.1", "fusion.3", "fusion.4"]
+    assert trace.op_seconds(events, "jit_f", calls=2) == {"while.1": 5.0, "fusion.3": 0.5,
+                                                          "fusion.4": 0.5}
+    assert trace.op_seconds(events, "jit_other") == {}
+
+
+def test_the_xspace_file_says_what_the_chrome_trace_says(model, tmp_path):
+    where = tmp_path / "prof"
+    assert run("profile", model + ":attend", "--trace", str(where), "--repeats", "1"
+               ).returncode == 0
+    side = where / "001_jit_attend" / "rewritten"
+    from_json = trace.op_seconds(trace.read_events(str(side)), "jit_attend")
+    assert from_json
+    (run_dir,) = glob.glob(str(side / "plugins" / "profile" / "*"))
+    for path in glob.glob(os.path.join(run_dir, "*.trace.json.gz")):
+        os.remove(path)
+    if not hasattr(jax.profiler, "ProfileData"):
+        pytest.skip(f"jax {jax.__version__} has no jax.profiler.ProfileData")
+    from_xspace = trace.op_seconds(trace.read_events(str(side)), "jit_attend")
+    assert from_xspace.keys() == from_json.keys()
+
+
+def test_the_rewritten_programs_ops_carry_their_site(tmp_path):
+    def attend(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    q = jnp.ones((1, 1024, 2, 64), jnp.float32)
+    (f,) = capture_function(jax.jit(attend), q, q, q)
+    _, rewritten = rewrite_captured(f)
+    by_site = trace.scope_sites(rewritten.optimized("cpu"))
+    assert by_site and set(by_site.values()) == {1}
+    assert not trace.scope_sites(f.optimized("cpu"))  # native ops carry no site scope
+
+
+def test_tracing_refuses_a_process_that_loaded_libtpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(trace, "libtpu_loaded", lambda: True)
+    with pytest.raises(trace.ProfilerUnsafe, match=r"^jax.profiler crashes in a process that "
+                       r"loaded libtpu .*`hlotool profile SCRIPT`$"):
+        trace.traced_run(lambda: None, [], str(tmp_path))
+    assert not os.listdir(tmp_path)  # refused before the profiler started
+
+
+def test_no_trace_is_one_line(tmp_path):
+    with pytest.raises(trace.TraceUnreadable, match=r"^no trace under .*plugins/profile"):
+        trace.read_events(str(tmp_path))
+    run_dir = tmp_path / "plugins" / "profile" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "host.trace.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(trace.TraceUnreadable, match="cannot read the trace in .*host.trace"):
+        trace.read_events(str(tmp_path))
