@@ -53,7 +53,7 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=500, help="programs to generate")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--seed", type=int, default=0, help="first worker's seed")
-    parser.add_argument("--chunk", type=int, default=250,
+    parser.add_argument("--chunk", type=int, default=100,
                         help="programs per worker task (each task has its own seed)")
     parser.add_argument("--fast-compile", action="store_true",
                         help="compile both sides at XLA's optimization level 0, as CI does "
@@ -66,8 +66,16 @@ def main() -> int:
         left -= args.chunk
         seed += 1
     start = time.perf_counter()
+    rows = []
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-        rows = [r for part in pool.imap_unordered(_work, tasks) for r in part]
+        for part in pool.imap_unordered(_work, tasks):
+            rows.extend(part)
+            wrong_so_far = sum(r[1] == "wrong" for r in rows)
+            print(f"  {len(rows)}/{args.examples} programs, {wrong_so_far} wrong, "
+                  f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+            for _, outcome, detail, program in part:
+                if outcome == "wrong":
+                    print(f"  WRONG: {detail}\n    {program}", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - start
 
     per_feature: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

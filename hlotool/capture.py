@@ -31,10 +31,11 @@ import jax
 from jaxlib.mlir import ir
 
 from hlotool import jaxcompat
-from hlotool.errors import HlotoolError, first_line
+from hlotool.errors import DoesNotFit, HlotoolError, first_line
 from hlotool.hlo import parse_module
 from hlotool.jaxcompat import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 from hlotool.targets import Target, get_target
+from hlotool.units import format_bytes
 
 STAGES: tuple[str, ...] = ("jaxpr", "stablehlo", "hlo", "optimized")
 
@@ -148,9 +149,13 @@ class CapturedFunction:
         return self._lowered[t.name]
 
     def compiled(self, target: str | Target = "cpu") -> jax.stages.Compiled:
-        """The function compiled by XLA for `target`."""
+        """The function compiled by XLA for `target`. Raises `DoesNotFit` when one value
+        of it alone exceeds the host's memory and the target is the host (XLA:CPU would spend
+        the compile for nothing, and jaxlib 0.12's crashes on such a program)."""
         t = get_target(target)
         if t.name not in self._compiled:
+            if not t.deviceless:
+                check_host_memory(largest_value_bytes(self.closed_jaxpr.jaxpr))
             lowered = self.lowered(t)
             try:
                 self._compiled[t.name] = lowered.compile()
@@ -432,3 +437,30 @@ def _count_mlir_ops(lowered: jax.stages.Lowered) -> int:
 def _count_hlo(text: str) -> int:
     """Instructions over all computations of an HLO module's text."""
     return sum(len(c.instructions) for c in parse_module(text).computations.values())
+
+
+def largest_value_bytes(jaxpr: Jaxpr) -> int:
+    """Bytes of the largest value a jaxpr (or any jaxpr nested in it) computes."""
+    biggest = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            aval = v.aval
+            if hasattr(aval, "shape") and hasattr(aval, "dtype"):
+                size = 1
+                for d in aval.shape:
+                    size *= d if isinstance(d, int) else 1
+                biggest = max(biggest, size * aval.dtype.itemsize)
+        for sub in jaxcompat.jaxprs_in_params(eqn.params):
+            biggest = max(biggest, largest_value_bytes(sub))
+    return biggest
+
+
+def check_host_memory(value_bytes: int) -> None:
+    """Raise `DoesNotFit` when one value needs more than this host's memory."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if value_bytes > host:
+        raise DoesNotFit(f"native does not fit in this host's {format_bytes(host)} memory: "
+                         f"one value alone is {format_bytes(value_bytes)}")

@@ -29,6 +29,11 @@ class HlotoolError(Exception):
     exit_code = EXIT_BAD_INPUT
 
 
+class DoesNotFit(HlotoolError):
+    """A program too big for the memory of what it is compiled for: a finding about the
+    program (the shapes flash attention exists for), not a failure of hlotool."""
+
+
 def lookup(table, name, what: str, error: type[HlotoolError] = HlotoolError):
     """`table[name]`, or `error` naming the valid names ("unknown target 'tpu-v9'; valid
     targets: cpu, tpu-v5e, ...")."""

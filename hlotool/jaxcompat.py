@@ -198,6 +198,17 @@ _eval_hook, (eval_jaxpr, Tracer) = _use(
 eval_jaxpr = eval_jaxpr or _raising(_eval_hook)
 Tracer = Tracer or _missing_type(_eval_hook, "Tracer")
 
+def jaxprs_in_params(params: dict[str, Any]) -> Iterator[Any]:
+    """The jaxprs nested in an equation's params (a cond's branches, a scan's body, a
+    pjit's jaxpr), each as a `Jaxpr`: jax.extend.core has this only from jax 0.10 on."""
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, Jaxpr):
+                yield item
+
+
 # jax 0.9 and older: `Primitive.get_bind_params` returns (subfuns, params); later, the params.
 _BIND_SPLITS_SUBFUNS = isinstance(
     jax.extend.core.Primitive("hlotool_probe").get_bind_params({}), tuple)

@@ -201,10 +201,11 @@ def _backward(q, k, v, bias, mask, kv_lengths, out, m, l, do, st: _Static):
     b, hkv, g, lq, d = q.shape
     nq, nk = lq // st.block_q, k.shape[2] // st.block_k
     delta = jnp.sum(out * do, axis=-1)  # [B, Hkv, G, Lq]
+    inv_l = 1.0 / l  # one division per row, not per score
     if st.skipped_keys_count:
         # prefix[r] = sum over query rows < r (and the G heads) of w_r · dO_r, w_r the weight
         # row r gives each key it skips.
-        w = jnp.exp(st.fill - m) / l
+        w = jnp.exp(st.fill - m) * inv_l
         contrib = jnp.sum(w[..., None] * do, axis=2)  # [B, Hkv, Lq, Dv]
         prefix = jnp.concatenate([jnp.zeros_like(contrib[:, :, :1]),
                                   jnp.cumsum(contrib, axis=2)], axis=2)
@@ -217,9 +218,9 @@ def _backward(q, k, v, bias, mask, kv_lengths, out, m, l, do, st: _Static):
         def query_block(i, inner):
             dq, dk_j, dv_j, dbias = inner
             q_i, do_i = _rows(q, i, st), _rows(do, i, st)
-            m_i, l_i, delta_i = _rows(m, i, st), _rows(l, i, st), _rows(delta, i, st)
+            m_i, inv_l_i, delta_i = _rows(m, i, st), _rows(inv_l, i, st), _rows(delta, i, st)
             s, visible = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
-            p = jnp.exp(s - m_i[..., None]) / l_i[..., None]
+            p = jnp.exp(s - m_i[..., None]) * inv_l_i[..., None]
             dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", p, do_i)
             dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
             ds = p * (dp - delta_i[..., None])

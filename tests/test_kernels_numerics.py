@@ -11,21 +11,18 @@ import dataclasses
 import math
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from hlotool.jaxcompat import jaxprs_in_params
 from hlotool.kernels.chunked import Chunked
 from hlotool.kernels.pallas_gpu import PallasGpuFlash
 from hlotool.kernels.pallas_tpu import PallasTpuFlash
 from hlotool.kernels.reference import Reference
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
-# Public in jax.extend.core from jax 0.10 on; jax.core's copy is gone in 0.12.
-jaxprs_in_params = (getattr(jax.extend.core, "jaxprs_in_params", None)
-                    or jax.core.jaxprs_in_params)
 
 
 @dataclasses.dataclass(frozen=True)

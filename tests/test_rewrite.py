@@ -8,7 +8,6 @@ import re
 import warnings
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,13 +16,11 @@ from jax import lax
 import hlotool
 from hlotool import flash, jaxcompat
 from hlotool.cost import decision
+from hlotool.jaxcompat import jaxprs_in_params
 from hlotool.errors import HlotoolError
 from hlotool.passes.from_jaxpr import detect_jaxpr
 from test_detect_negative import CASES as NEGATIVES
 
-# Public in jax.extend.core from jax 0.10 on; jax.core's copy is gone in 0.12.
-jaxprs_in_params = (getattr(jax.extend.core, "jaxprs_in_params", None)
-                    or jax.core.jaxprs_in_params)
 
 B, L, H, D = 1, 512, 2, 16  # L = 512: the shortest sequence the cost model sends to a kernel
 rng = np.random.default_rng(0)

@@ -342,21 +342,26 @@ def test_validate_checks_each_new_signature():
     assert all(n == ["validated on the call's values"] for n in fast.notes.values())
 
 
-def test_validate_passes_a_kernel_that_is_finite_where_native_overflows():
-    """q·k of 1e20 overflows the naive float32 scores to inf (NaN softmax rows); the kernel
-    scales q first and stays finite: a pass, with a note."""
-    q = arr(1, 512, 2, 16).at[0, 3].set(3e19)
+def test_validate_passes_a_kernel_that_is_finite_where_native_is_not():
+    """A -inf fill that empties rows: the naive program's gradients are NaN through those
+    rows (and, via their keys, everywhere), the kernel's are finite: a pass, with a note."""
+    empty = jnp.ones((1, 1, 512, 512), bool).at[:, :, 3].set(False)
 
-    def unscaled(q, k, v):
-        return attend(jnp.where(jnp.tril(jnp.ones((512, 512), bool)), scores(q * 0.25, k),
-                                -1e9), v)
+    def masked(q, k, v, m):
+        return attend(jnp.where(m, scores(q, k) * 0.25, -jnp.inf), v)
 
+    args = (arr(1, 512, 2, 16), arr(1, 512, 2, 16), arr(1, 512, 2, 16), empty)
+    native_grads = grads(jax.jit(masked), *args, argnums=(0, 1, 2))
+    assert not all(bool(jnp.isfinite(g).all()) for g in native_grads)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fast = hlotool.flash_jit(unscaled, validate=True)
-        out = fast(q, arr(1, 512, 2, 16), arr(1, 512, 2, 16))
+        fast = hlotool.flash_jit(masked, validate=True)
+        out = fast(*args)
     assert fast.verdicts and all(v == {} for v in fast.verdicts.values())
-    assert bool(jnp.isfinite(out).all())
+    (notes,) = fast.notes.values()
+    assert "native has NaN or inf where the kernels are finite" in notes
+    assert "hlotool_flash" in fast.lower(*args).as_text()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(jax.jit(masked)(*args)))
 
 
 def test_validate_fails_one_site_for_one_signature_only(monkeypatch):

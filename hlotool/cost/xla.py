@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hlotool.capture import check_host_memory, largest_value_bytes
 from hlotool.errors import HlotoolError, first_line
 from hlotool.kernels import AttentionKernel
 from hlotool.passes.native import ONLINE_SOFTMAX
@@ -122,8 +123,11 @@ def compile_for(fn: Callable[..., Any], args: tuple[jax.ShapeDtypeStruct, ...],
     else:
         args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args)
         jitted = jax.jit(fn, in_shardings=sharding, out_shardings=sharding)
+    traced = jitted.trace(*args)
+    if not t.deviceless:
+        check_host_memory(largest_value_bytes(traced.jaxpr.jaxpr))
     try:
-        return jitted.trace(*args).lower().compile()
+        return traced.lower().compile()
     except Exception as e:
         raise HlotoolError(f"cannot compile the probe program for {t.name}: "
                            f"{first_line(e)}") from e

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from hlotool.errors import DoesNotFit
 from hlotool.hardware import HARDWARE
 from hlotool.units import format_bytes, parse_xla_bytes
 
@@ -19,6 +20,8 @@ def does_not_fit(error: Exception | str, target: str) -> str | None:
     """The finding for a compile that failed because the program exceeds `target`'s HBM,
     e.g. "native does not fit in tpu-v5e's 16.0 GiB HBM: needs 8.0 TiB of temporaries
     (XLA:TPU sees 15.8 GiB free)"; None for any other failure."""
+    if isinstance(error, DoesNotFit):
+        return str(error)
     m = _HBM_OOM.search(str(error))
     if m is None:
         return None
