@@ -3,7 +3,7 @@
 A kernel is called as
 
     kernel(q, k, v, *, scale, bias=None, mask=None, causal=False, kv_lengths=None,
-           fill=-inf, layout="BLHD")
+           fill=-inf, out_dtype=None, layout="BLHD")
 
 with, in layout "BLHD" (canonical, as `hlotool.site.AttentionSite`):
   q: [B, Lq, Hq, D]    k: [B, Lk, Hkv, D]    v: [B, Lk, Hkv, Dv]    -> out: [B, Lq, Hq, Dv]
@@ -22,7 +22,9 @@ when `mask[b, h, i, j]` (True = attend), `j <= i` if `causal` (top-left aligned,
 exactly what `jnp.where(mask, scores, fill)` gives the naive program: with the default -inf
 hidden keys never contribute, even when they hold NaN, and a query row with no visible key
 returns zeros; with a finite fill a hidden key keeps its weight exp(fill - max), so a row with
-no visible key is the mean of v over all keys.
+no visible key is the mean of v over all keys. `out_dtype` is the result's dtype (default: q's);
+"float32" keeps the f32 accumulation of a kernel that has one, for a caller that goes on
+computing with the result before rounding it (hlotool's rewrite applies a head mask to it).
 
 A kernel that hides keys its own way (a large negative constant in its tiles, blocks it does
 not visit) declares that logit as `hidden_logit`. Its result is used only where a runtime check
@@ -36,6 +38,7 @@ import abc
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import ClassVar, Required, TypedDict, Unpack
 
 import jax
@@ -123,14 +126,14 @@ class KernelCost:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["q", "k", "v", "bias", "mask", "kv_lengths"],
-                   meta_fields=["scale", "causal", "fill"])
+                   meta_fields=["scale", "causal", "fill", "out_dtype"])
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One call's operands in canonical terms, validated.
 
     q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; bias: 4-D, each axis 1 or the
     full [B, Hq, Lq, Lk] size; mask: bool, same rule; kv_lengths: int32 [B]; fill: the logit of
-    a hidden key (-inf, or finite).
+    a hidden key (-inf, or finite); out_dtype: the result's dtype, None for q's.
     """
 
     q: jax.Array
@@ -142,6 +145,11 @@ class Call:
     causal: bool
     kv_lengths: jax.Array | None
     fill: float = -math.inf
+    out_dtype: str | None = None
+
+    @property
+    def result_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.out_dtype or self.q.dtype)
 
     @property
     def features(self) -> Features:
@@ -202,6 +210,7 @@ class CallOptions(TypedDict, total=False):
     causal: bool
     kv_lengths: jax.Array | None
     fill: float
+    out_dtype: str | None
     layout: str
 
 
@@ -216,6 +225,7 @@ def make_call(
     causal: bool = False,
     kv_lengths: jax.Array | None = None,
     fill: float = -math.inf,
+    out_dtype: str | None = None,
     layout: str = "BLHD",
 ) -> Call:
     """Validate one call's arguments (`CallOptions`) and bring them to canonical
@@ -225,6 +235,10 @@ def make_call(
     fill = float(fill)
     if math.isnan(fill) or fill == math.inf:
         raise KernelError(f"fill must be -inf or finite, got {fill}")
+    if out_dtype is not None:
+        if not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating):
+            raise KernelError(f"out_dtype must be floating point, got {out_dtype}")
+        out_dtype = str(jnp.dtype(out_dtype))
     q, k, v = (_to_blhd(x, n, layout) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     b, lq, hq, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
@@ -259,7 +273,7 @@ def make_call(
             )
         kv_lengths = kv_lengths.astype(jnp.int32)
     return Call(q, k, v, 1.0 if scale is None else float(scale), bias, mask, bool(causal),
-                kv_lengths, fill)
+                kv_lengths, fill, out_dtype)
 
 
 class AttentionKernel(abc.ABC):
@@ -316,12 +330,15 @@ class AttentionKernel(abc.ABC):
         support = self.supports(call.site(), call.features)
         if not support:
             raise KernelError(f"kernel {self.name}: {support.reason}")
+        def attend(kernel: AttentionKernel) -> Callable[[Call], jax.Array]:
+            return lambda c: kernel._attend(c).astype(c.result_dtype)
+
         if self.hidden_logit is None or not self._hides_keys(call):
-            return self._attend(call)
+            return attend(self)(call)
         from hlotool.kernels.chunked import Chunked  # the exact kernel; imports this module
 
-        return lax.cond(hiding_is_exact(call, self.hidden_logit), self._attend,
-                        Chunked()._attend, call)
+        return lax.cond(hiding_is_exact(call, self.hidden_logit), attend(self),
+                        attend(Chunked()), call)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

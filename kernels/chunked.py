@@ -355,4 +355,4 @@ class Chunked(AttentionKernel):
         kv_lengths = None if call.kv_lengths is None else jnp.minimum(call.kv_lengths, lk)
         out = _flash(q, k, v, to5(call.bias, 0), to5(call.mask, False), kv_lengths, st)
         out = jnp.transpose(out[:, :, :, :lq], (0, 3, 1, 2, 4)).reshape(b, lq, hq, -1)
-        return out.astype(call.q.dtype)
+        return out.astype(call.result_dtype)

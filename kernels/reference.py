@@ -55,4 +55,4 @@ class Reference(AttentionKernel):
         p = p / jnp.where(denom == 0, 1.0, denom)
         p = p.reshape(b, hkv, hq // hkv, lq, -1)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", p, call.v.astype(f32), precision=hi)
-        return out.reshape(b, lq, hq, -1).astype(call.q.dtype)
+        return out.reshape(b, lq, hq, -1).astype(call.result_dtype)

@@ -111,8 +111,10 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array]
         x = scores_operand(m, values[m.var])
         x = x if m.keep_when else ~x
         mask = x if mask is None else mask & x
+    # A head mask multiplies the output: in f32, so that its gradient (a sum of dO·out over
+    # B·Lq·Dv terms) is not computed from an output already rounded to bf16 or f16.
     call = make_call(q, k, v, scale=form.scale, bias=bias, mask=mask, causal=form.causal,
-                     fill=form.fill)
+                     fill=form.fill, out_dtype="float32" if form.multipliers else None)
     factors = tuple(scores_operand(m, values[m.var]) for m in form.multipliers)
     if not form.nan_rows:
         return call, After(factors=factors)

@@ -20,13 +20,15 @@ program's, no non-finite value where the naive one is finite) or "wrong".
 How "within tolerance" is measured:
   - per value (output, each gradient): max |rewritten - naive| over the larger of max |naive|
     and the magnitude of the terms that value sums (|v| for the output; |dO|·|v| times |C|·|k|
-    for dq, |C|·|q| for dk, 1 for dbias; |dO| for dv), so a gradient that is exactly zero
-    (one visible key: dq = 0) is judged against its terms' size, not its own rounding noise;
+    for dq, |C|·|q| for dk, the scales after it for a bias, 1 for a head mask; |dO| for dv),
+    so a gradient that is exactly zero (one visible key: dq = 0) is judged against its
+    terms' size, not its own rounding noise;
   - the naive program has rounding errors of its own: in bf16 and f16 always, in f32 where a
     large constant absorbs the data (s + b - 1e9 rounds to a multiple of 64). A rewrite that
     misses the naive values also passes when it is within the tolerance, or within twice the
     naive program's own error, of the same program computed in float64 (fills and constants
-    rounded to the program's dtype first), the naive one's error being finite;
+    rounded to the program's dtype first, results rounded to it last, so that a gradient
+    beyond the dtype's range is inf), the naive one's error being finite;
   - data magnitudes follow the scale steps so that every term reaches the softmax at
     |logit| ≲ 8: the tolerance measures the rewrite, not float32's conditioning of exp at
     large logits.
@@ -333,7 +335,11 @@ def _terms(p: Program, args, count: int) -> list[float]:
     q, k, v = big
     c = abs(_after(p.steps, -1))
     do = 3.0  # the projection's weights are standard normal
-    return ([v, do * v * c * k, do * v * c * q, do] + [do * v] * count)[:count]
+    # A bias added before scale steps has their product in its gradient, as q and k have C.
+    biases = [do * v * abs(_after(p.steps, at)) for at, step in enumerate(p.steps)
+              if step.kind == "bias"]
+    head_mask = [do * v] if p.head_mask == "data" else []
+    return ([v, do * v * c * k, do * v * c * q, do] + biases + head_mask)[:count]
 
 
 def _worst(got, want, terms) -> tuple[float, int]:
@@ -390,6 +396,10 @@ def check(p: Program, blocks: tuple[int, int] = (8, 8),
             precise_fn, precise_args, _ = build(p, compute="float64")
             precise = _arrays(_compiled(value_and_grads(precise_fn, diff), precise_args,
                                         compiler_options))
+        # Rounded to the program's dtype: a value beyond its range is inf there, as the
+        # rewrite then rightly returns.
+        with np.errstate(over="ignore"):
+            precise = [np.asarray(jnp.asarray(x, p.dtype), np.float64) for x in precise]
         naive_err, _ = _worst(want, precise, terms)
         err, at = _worst(got, precise, terms)
         if math.isfinite(naive_err):
