@@ -21,6 +21,8 @@ import warnings
 
 import click
 
+from hlotool.report.console import Term
+
 OK, WARN, OFF, FAIL = "ok", "warn", "off", "FAIL"
 
 
@@ -220,20 +222,25 @@ def all_checks() -> list[Check]:
             graphviz_check()]
 
 
-def render(checks: list[Check]) -> str:
+def render(checks: list[Check], term: Term | None = None) -> str:
+    """The checks as a table fitted to `term` (default: stdout's terminal), and a summary."""
     from hlotool import __version__
     from hlotool.report.table import format_table
 
+    term = term or Term.of()
     lines = [f"hlotool {__version__} doctor ({sys.executable})", "",
              format_table(("check", "status", "detail"),
-                          [(c.what, c.status, c.detail) for c in checks]), ""]
+                          [(c.what, c.status, c.detail) for c in checks], wrap=(2,),
+                          term=term), ""]
     summary = features(checks)
-    lines.append("features: " + " · ".join(f"{name} {status}" for name, status in summary))
+    lines.append(term.wrap("features: " + " · ".join(f"{name} {status}"
+                                                      for name, status in summary)))
     failed = [c.what for c in checks if c.status == FAIL]
     off = any(c.status == OFF for c in checks)
-    lines.append(f"{len(failed)} problem{'s' if len(failed) != 1 else ''}: {', '.join(failed)}"
-                 if failed else "all features of this install work"
-                 + (" (off: optional, not installed)" if off else ""))
+    lines.append(term.wrap(
+        f"{len(failed)} problem{'s' if len(failed) != 1 else ''}: {', '.join(failed)}"
+        if failed else "all features of this install work"
+        + (" (off: optional, not installed)" if off else "")))
     return "\n".join(lines)
 
 

@@ -60,7 +60,7 @@ def _rows(output: str) -> dict[str, tuple[str, str]]:
 
 
 def test_doctor_on_this_install_is_one_screen_and_exits_0():
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "COLUMNS")}
     done = subprocess.run([sys.executable, "-m", "hlotool", "doctor"], capture_output=True,
                           text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -81,6 +81,21 @@ def test_doctor_on_this_install_is_one_screen_and_exits_0():
     assert "features: inspect/dump/cost ok · flash_jit ok · TPU targets ok" in done.stdout
     assert len(done.stdout.splitlines()) <= 32
     assert "TPU_WORKER_HOSTNAMES" not in done.stderr  # libtpu kept quiet
+
+
+def test_doctor_fits_the_terminal_wrapping_details():
+    from hlotool.report.console import Term
+
+    checks = [doctor.Check("hook jaxpr types", doctor.OK,
+                           "jax.extend.core.{ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxpr_as_fun}"),
+              doctor.Check("kernel tokamax_gpu", doctor.OFF, "untested: " + "word " * 30)]
+    text = doctor.render(checks, Term(width=70))
+    assert max(map(len, text.splitlines())) <= 70
+    table = text.splitlines()[2:]
+    # The detail column wraps under itself; the other columns stay one line.
+    assert table[2].startswith("hook jaxpr types") and table[3].endswith("jaxpr_as_fun}")
+    assert table[4].startswith("kernel tokamax_gpu  off ")
+    assert table[3].startswith(" " * 28) and table[5].startswith(" " * 28 + "word")
 
 
 @pytest.fixture
