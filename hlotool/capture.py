@@ -154,8 +154,7 @@ class CapturedFunction:
         the compile for nothing, and jaxlib 0.12's crashes on such a program)."""
         t = get_target(target)
         if t.name not in self._compiled:
-            if not t.deviceless:
-                check_host_memory(largest_value_bytes(self.closed_jaxpr.jaxpr))
+            check_host_memory(t, self.closed_jaxpr.jaxpr)
             lowered = self.lowered(t)
             try:
                 self._compiled[t.name] = lowered.compile()
@@ -455,12 +454,16 @@ def largest_value_bytes(jaxpr: Jaxpr) -> int:
     return biggest
 
 
-def check_host_memory(value_bytes: int) -> None:
-    """Raise `DoesNotFit` when one value needs more than this host's memory."""
+def check_host_memory(target: Target, jaxpr: Jaxpr) -> None:
+    """Raise `DoesNotFit` when `target` compiles on this host (not deviceless) and one value
+    of `jaxpr` needs more than the host's memory."""
+    if target.deviceless:
+        return
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return
+    value_bytes = largest_value_bytes(jaxpr)
     if value_bytes > host:
         raise DoesNotFit(f"native does not fit in this host's {format_bytes(host)} memory: "
                          f"one value alone is {format_bytes(value_bytes)}")

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from types import ModuleType
 
 import jax
-import jax.numpy as jnp
 
 from hlotool.jaxcompat import signature_problem
 from hlotool.kernels.base import AttentionKernel, Call, with_empty_rows, zero_invalid_keys

@@ -330,6 +330,7 @@ class AttentionKernel(abc.ABC):
         support = self.supports(call.site(), call.features)
         if not support:
             raise KernelError(f"kernel {self.name}: {support.reason}")
+
         def attend(kernel: AttentionKernel) -> Callable[[Call], jax.Array]:
             return lambda c: kernel._attend(c).astype(c.result_dtype)
 

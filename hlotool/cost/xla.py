@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hlotool.capture import check_host_memory, largest_value_bytes
+from hlotool.capture import check_host_memory
 from hlotool.errors import HlotoolError, first_line
 from hlotool.kernels import AttentionKernel
 from hlotool.passes.native import ONLINE_SOFTMAX
@@ -124,8 +124,7 @@ def compile_for(fn: Callable[..., Any], args: tuple[jax.ShapeDtypeStruct, ...],
         args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args)
         jitted = jax.jit(fn, in_shardings=sharding, out_shardings=sharding)
     traced = jitted.trace(*args)
-    if not t.deviceless:
-        check_host_memory(largest_value_bytes(traced.jaxpr.jaxpr))
+    check_host_memory(t, traced.jaxpr.jaxpr)
     try:
         return traced.lower().compile()
     except Exception as e:
