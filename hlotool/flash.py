@@ -84,7 +84,8 @@ class Report:
             per = ", ".join(f"{p}: {k or 'native'}" for p, k in s.kernels.items())
             lines.append(
                 f"  [{i}] {a.source or '?'} ({s.where}) q{list(a.q_shape)} k{list(a.k_shape)} "
-                f"{a.dtype} mask={a.mask}\n      {per}\n      {s.reason}")
+                f"{a.dtype} mask={a.mask}{''.join(', ' + v for v in a.variants)}\n"
+                f"      {per}\n      {s.reason}")
         return "\n".join(lines)
 
 
@@ -106,9 +107,8 @@ def _form(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> lower.KernelForm:
 
 def _choices(site: JaxprSite, form: lower.KernelForm, kernel: str) -> dict[str, Any]:
     """Per platform, the `decide` choice, checked against what the call really asks for
-    (a site reports one mask kind; its call may combine a causal mask with a boolean one)."""
-    features = kernels.Features(causal=form.causal, bias=bool(form.biases),
-                                mask=bool(form.masks), finite_fill=np.isfinite(form.fill))
+    (`KernelForm.features`)."""
+    features = form.features
     out = {}
     for p in PLATFORMS:
         choice = decide(site.site, p, kernel)
@@ -159,7 +159,7 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
         run.cache_key = (
             tuple(sorted(plan.items())), mesh, form.signature(),
             tuple(at.get(m.var) for m, _ in form.biases),
-            tuple(at.get(m.var) for m in (*form.masks, *form.multipliers)),
+            tuple(at.get(m.var) for m in form.operand_masks),
             at[site.q.var], site.q.layout, at[site.k.var], site.k.layout, at[site.v.var],
             site.v.layout, site.out_layout, site.out.aval)
     run.scope = scope(index, site.site)

@@ -44,6 +44,16 @@ class AttentionSite:
     # Shape of a factor the probabilities are multiplied by, constant along the keys (a head
     # mask), as broadcast against them; None without one (an all-ones head mask is none).
     multiplier_shape: tuple[int, ...] | None = None
+    # The canonical axes, of "BHQK" (batch, heads, queries, keys), along which the mask and
+    # bias operands vary: "BK" for key padding, "QK" for a mask shared by the batch and heads.
+    # None without an operand (an iota-built causal mask has none).
+    mask_axes: str | None = None
+    # Logit soft-capping c·tanh(x / c) between the scale and the masks (Gemma 2): c, or None.
+    softcap: float | None = None
+    # `where(mask, softmax(...), 0)` after the softmax (Keras' masked softmax).
+    post_mask: bool = False
+    # An extra logit per row in the softmax, with no value (attention sinks, GPT-OSS).
+    sinks: bool = False
     # The program's own operand shapes and the layout they map from ("BLHD", "BHLD", "LHD", ...).
     q_shape: tuple[int, ...] = ()
     k_shape: tuple[int, ...] = ()
@@ -62,6 +72,20 @@ class AttentionSite:
                 f"query heads ({self.num_q_heads}) must be a multiple of key/value heads "
                 f"({self.num_kv_heads})"
             )
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The softmax variants the site uses, as reports name them."""
+        out = []
+        if self.softcap is not None:
+            out.append(f"softcap {self.softcap:g}")
+        if self.sinks:
+            out.append("sinks")
+        if self.post_mask:
+            out.append("post-softmax mask")
+        if self.multiplier_shape is not None:
+            out.append("head mask")
+        return tuple(out)
 
     @property
     def causal(self) -> bool:

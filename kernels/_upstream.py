@@ -18,7 +18,16 @@ from types import ModuleType
 import jax
 
 from hlotool.jaxcompat import signature_problem
-from hlotool.kernels.base import AttentionKernel, Call, with_empty_rows, zero_invalid_keys
+from hlotool.kernels.base import (
+    AttentionKernel,
+    Call,
+    round_up,
+    with_empty_rows,
+    zero_invalid_keys,
+)
+
+# TPU kernels tile lengths by lanes of 128.
+LANES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,3 +98,29 @@ def with_hidden_keys(call: Call, attend: Callable[[Call], jax.Array]) -> jax.Arr
     infinite fill), and it averages a query row with no visible key, which gets what the
     call's fill gives it instead (`base.with_empty_rows`)."""
     return with_empty_rows(call, attend(zero_invalid_keys(call)))
+
+
+def padded_length(length: int) -> int:
+    """A length padded up to whole lanes, as upstream TPU kernels take it."""
+    return round_up(length, LANES)
+
+
+def block_for(padded: int) -> int:
+    """Largest of 512/256/128 dividing a padded length (bigger tiles amortize grid steps)."""
+    return next(b for b in (512, 256, 128) if padded % b == 0)
+
+
+class PaddedTpuKernel(UpstreamKernel):
+    """An upstream TPU kernel that takes lengths padded to lanes and hides keys its own way:
+    the padded keys are hidden keys too, and every call goes through `with_hidden_keys`.
+    Subclasses implement `_attend_upstream`."""
+
+    def _hides_keys(self, call: Call) -> bool:
+        return super()._hides_keys(call) or padded_length(call.k.shape[1]) != call.k.shape[1]
+
+    def _attend(self, call: Call) -> jax.Array:
+        return with_hidden_keys(call, self._attend_upstream)
+
+    def _attend_upstream(self, call: Call) -> jax.Array:
+        """[B, Lq, Hq, Dv] from upstream, for a call whose hidden keys it may see as it likes."""
+        raise NotImplementedError

@@ -3,7 +3,7 @@
 A kernel is called as
 
     kernel(q, k, v, *, scale, bias=None, mask=None, causal=False, kv_lengths=None,
-           fill=-inf, out_dtype=None, layout="BLHD")
+           fill=-inf, softcap=None, post_mask=None, sinks=None, out_dtype=None, layout="BLHD")
 
 with, in layout "BLHD" (canonical, as `hlotool.site.AttentionSite`):
   q: [B, Lq, Hq, D]    k: [B, Lk, Hkv, D]    v: [B, Lk, Hkv, Dv]    -> out: [B, Lq, Hq, Dv]
@@ -13,10 +13,16 @@ and in layout "BHLD" the same arrays with the L and H axes swapped. Hq is a mult
 Semantics shared by all kernels (the reference kernel is their definition), over
 [B, Hq, Lq, Lk]:
 
-    logits = where(visible, scale · q·kᵀ + bias, fill)
+    logits = where(visible, cap(scale · q·kᵀ) + bias, fill)
     out    = softmax(logits) · v
 
-`scale=None` means unscaled (1.0), as in `AttentionSite.scale`. Key j is visible to query i
+`scale=None` means unscaled (1.0), as in `AttentionSite.scale`. `cap` is the identity, or with
+`softcap=c` logit soft-capping c·tanh(x / c) (Gemma 2). Three variants real models use extend
+the softmax: `post_mask` (bool, broadcastable to [B, Hq, Lq, Lk]) zeroes probabilities after it,
+`where(post_mask, softmax(logits), 0)` as Keras' masked softmax does (the keys it zeroes still
+weigh in the normalizer); `sinks` (float, broadcastable to [B, Hq, Lq, 1]) is one more logit per
+row that takes part in the softmax and has no value (attention sinks, GPT-OSS):
+out = Σ_j exp(l_j)·v_j / (exp(sink) + Σ_j exp(l_j)). Key j is visible to query i
 when `mask[b, h, i, j]` (True = attend), `j <= i` if `causal` (top-left aligned, as
 `jax.nn.dot_product_attention`) and `j < kv_lengths[b]`. `fill` is the logit of a hidden key,
 exactly what `jnp.where(mask, scores, fill)` gives the naive program: with the default -inf
@@ -75,6 +81,12 @@ class Support:
         return cls(False, reason)
 
 
+# Softmax variants beyond masks (module docstring); a kernel lists those it implements in
+# `AttentionKernel.extras`, and refuses the others by these names.
+EXTRAS = {"softcap": "logit soft-capping", "post_mask": "a mask applied after the softmax",
+          "sinks": "attention sinks"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Features:
     """What one call asks for beyond the site's shapes (a site has one mask kind, a call may
@@ -85,6 +97,9 @@ class Features:
     mask: bool = False
     kv_lengths: bool = False
     finite_fill: bool = False  # hidden keys keep a finite logit (see `Call.fill`)
+    softcap: bool = False
+    post_mask: bool = False
+    sinks: bool = False
 
     @classmethod
     def of_site(cls, site: AttentionSite) -> Features:
@@ -93,7 +108,14 @@ class Features:
             bias=site.mask == "additive",
             mask=site.mask == "boolean",
             finite_fill=site.mask_fill is not None and math.isfinite(site.mask_fill),
+            softcap=site.softcap is not None,
+            post_mask=site.post_mask,
+            sinks=site.sinks,
         )
+
+    def extras(self) -> tuple[str, ...]:
+        """The softmax variants asked for, by `EXTRAS` name."""
+        return tuple(name for name in EXTRAS if getattr(self, name))
 
     @property
     def hides_keys(self) -> bool:
@@ -125,15 +147,17 @@ class KernelCost:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["q", "k", "v", "bias", "mask", "kv_lengths"],
-                   meta_fields=["scale", "causal", "fill", "out_dtype"])
+                   data_fields=["q", "k", "v", "bias", "mask", "kv_lengths", "post_mask",
+                                "sinks"],
+                   meta_fields=["scale", "causal", "fill", "softcap", "out_dtype"])
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One call's operands in canonical terms, validated.
 
     q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; bias: 4-D, each axis 1 or the
-    full [B, Hq, Lq, Lk] size; mask: bool, same rule; kv_lengths: int32 [B]; fill: the logit of
-    a hidden key (-inf, or finite); out_dtype: the result's dtype, None for q's.
+    full [B, Hq, Lq, Lk] size; mask, post_mask: bool, same rule; kv_lengths: int32 [B]; sinks:
+    float [B|1, Hq|1, Lq|1, 1]; fill: the logit of a hidden key (-inf, or finite); softcap: c
+    of c·tanh(x / c), or None; out_dtype: the result's dtype, None for q's.
     """
 
     q: jax.Array
@@ -145,6 +169,9 @@ class Call:
     causal: bool
     kv_lengths: jax.Array | None
     fill: float = -math.inf
+    softcap: float | None = None
+    post_mask: jax.Array | None = None
+    sinks: jax.Array | None = None
     out_dtype: str | None = None
 
     @property
@@ -159,6 +186,9 @@ class Call:
             mask=self.mask is not None,
             kv_lengths=self.kv_lengths is not None,
             finite_fill=math.isfinite(self.fill),
+            softcap=self.softcap is not None,
+            post_mask=self.post_mask is not None,
+            sinks=self.sinks is not None,
         )
 
     def site(self) -> AttentionSite:
@@ -177,7 +207,8 @@ class Call:
             v_head_dim=dv, dtype=str(self.q.dtype), scale=self.scale, mask=kind,
             q_shape=tuple(self.q.shape), k_shape=tuple(self.k.shape),
             v_shape=tuple(self.v.shape), layout="BLHD",
-            mask_fill=None if kind == "none" else self.fill,
+            mask_fill=None if kind == "none" else self.fill, softcap=self.softcap,
+            post_mask=self.post_mask is not None, sinks=self.sinks is not None,
         )
 
 
@@ -210,6 +241,9 @@ class CallOptions(TypedDict, total=False):
     causal: bool
     kv_lengths: jax.Array | None
     fill: float
+    softcap: float | None
+    post_mask: jax.Array | None
+    sinks: jax.Array | None
     out_dtype: str | None
     layout: str
 
@@ -225,6 +259,9 @@ def make_call(
     causal: bool = False,
     kv_lengths: jax.Array | None = None,
     fill: float = -math.inf,
+    softcap: float | None = None,
+    post_mask: jax.Array | None = None,
+    sinks: jax.Array | None = None,
     out_dtype: str | None = None,
     layout: str = "BLHD",
 ) -> Call:
@@ -235,6 +272,10 @@ def make_call(
     fill = float(fill)
     if math.isnan(fill) or fill == math.inf:
         raise KernelError(f"fill must be -inf or finite, got {fill}")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise KernelError(f"softcap must be positive and finite, got {softcap}")
     if out_dtype is not None:
         if not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating):
             raise KernelError(f"out_dtype must be floating point, got {out_dtype}")
@@ -264,6 +305,14 @@ def make_call(
         mask = _broadcast_operand(jnp.asarray(mask), "mask", full)
         if mask.dtype != jnp.bool_:
             raise KernelError(f"mask must be boolean (True = attend), got {mask.dtype}")
+    if post_mask is not None:
+        post_mask = _broadcast_operand(jnp.asarray(post_mask), "post_mask", full)
+        if post_mask.dtype != jnp.bool_:
+            raise KernelError(f"post_mask must be boolean (True = keep), got {post_mask.dtype}")
+    if sinks is not None:
+        sinks = _broadcast_operand(jnp.asarray(sinks), "sinks", full[:3] + (1,))
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise KernelError(f"sinks must be floating point, got {sinks.dtype}")
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths)
         if kv_lengths.shape != (b,) or not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
@@ -273,7 +322,7 @@ def make_call(
             )
         kv_lengths = kv_lengths.astype(jnp.int32)
     return Call(q, k, v, 1.0 if scale is None else float(scale), bias, mask, bool(causal),
-                kv_lengths, fill, out_dtype)
+                kv_lengths, fill, softcap, post_mask, sinks, out_dtype)
 
 
 class AttentionKernel(abc.ABC):
@@ -288,6 +337,8 @@ class AttentionKernel(abc.ABC):
     # The logit this kernel gives the keys it hides instead of `Call.fill` (a large negative
     # constant in its tiles); None when it implements `fill` exactly.
     hidden_logit: ClassVar[float | None] = None
+    # The softmax variants (`EXTRAS`) this kernel implements; it refuses the others.
+    extras: ClassVar[frozenset[str]] = frozenset()
 
     @property
     def unavailable_reason(self) -> str | None:
@@ -300,7 +351,11 @@ class AttentionKernel(abc.ABC):
             return Support.no(f"{self.name} unavailable: {self.unavailable_reason}")
         if site.dtype not in ("float32", "bfloat16", "float16"):
             return Support.no(f"dtype {site.dtype} unsupported")
-        return self._check(site, features or Features.of_site(site))
+        features = features or Features.of_site(site)
+        missing = [EXTRAS[e] for e in features.extras() if e not in self.extras]
+        if missing:
+            return Support.no(f"{' and '.join(missing)} unsupported ({self.name} has none)")
+        return self._check(site, features)
 
     @abc.abstractmethod
     def _check(self, site: AttentionSite, features: Features) -> Support:
@@ -425,7 +480,9 @@ def flash_cost(
 
 # A finite fill above this is a soft mask, not a hidden key: `hiding_is_exact` would fail for
 # logits of any ordinary size, so kernels that hide keys their own way refuse it up front.
-HARD_FILL = -1e4
+# Below it the runtime check decides. -1e3, not -1e4: the -1e4 masks of bf16 and f16 models
+# (KerasHub's `large_neg`) are -9984 there, and hide keys whenever |logits| stay under ~970.
+HARD_FILL = -1e3
 
 
 def soft_fill_refusal(site: AttentionSite, features: Features) -> Support:
@@ -472,12 +529,20 @@ def zero_invalid_keys(call: Call) -> Call:
 def empty_row_value(call: Call) -> jax.Array:
     """[B, 1, Hq, Dv] (f32): what a row with no visible key computes. Under a finite fill every
     logit of it equals the fill, so softmax is uniform and the row is the mean of v over all
-    keys; under -inf it is zeros (the convention of every kernel here)."""
+    keys (less a sink's share); under -inf it is zeros (the convention of every kernel here).
+    Sinks, where present, do not vary along the queries (detection refuses those that do)."""
     b, _, hq, _ = call.q.shape
     if not math.isfinite(call.fill):
         return jnp.zeros((b, 1, hq, call.v.shape[3]), jnp.float32)
     mean = jnp.mean(call.v.astype(jnp.float32), axis=1, keepdims=True)
-    return jnp.repeat(mean, hq // call.v.shape[2], axis=2)
+    mean = jnp.repeat(mean, hq // call.v.shape[2], axis=2)
+    if call.sinks is None:
+        return mean
+    # A sink takes its share of the weight: Lk·e^fill / (Lk·e^fill + e^sink).
+    lk, sink = call.k.shape[1], jnp.swapaxes(call.sinks[:, :, :1, :], 1, 2)  # [B|1, 1, Hq|1, 1]
+    top = jnp.maximum(call.fill, sink)
+    keys = lk * jnp.exp(call.fill - top)
+    return mean * (keys / (keys + jnp.exp(sink - top)))
 
 
 def with_empty_rows(call: Call, out: jax.Array) -> jax.Array:

@@ -8,15 +8,18 @@ backward pass (custom VJP) recomputes score tiles from Q, K, V and the saved row
 normalizer instead of storing probabilities (kept apart, not as one log-sum-exp: beside a
 finfo.min bias the max absorbs the log of the normalizer).
 
-Hidden keys get exactly `fill` (see `hlotool.kernels.base`). With a finite fill the keys of
-skipped blocks still carry weight exp(fill - max): they enter in closed form, through suffix
-sums of V over keys (forward) and prefix sums of w·dO over queries (backward), so skipping
-stays exact. Keys the kernel itself pads to a block multiple are not in the program and are
-always -inf.
+Hidden keys get exactly `fill` (see `hlotool.kernels.base`), and every variant there is
+implemented: soft-capping on each score tile (its derivative 1 - tanh² in the backward), a
+post-softmax mask on the numerator only, sinks as each row's starting max and normalizer.
+With a finite fill the keys of skipped blocks still carry weight exp(fill - max): they enter
+in closed form, through suffix sums of V over keys (forward) and prefix sums of w·dO over
+queries (backward), so skipping stays exact (a post-softmax mask under a finite fill would
+zero some of those keys: then no block is skipped and the causal mask is applied per tile).
+Keys the kernel itself pads to a block multiple are not in the program and are always -inf.
 
 Internal layout: q [B, Hkv, G, Lq, D] with G = Hq / Hkv query heads per K/V head, so GQA
 never repeats K/V; k [B, Hkv, Lk, D]; v [B, Hkv, Lk, Dv]; bias and mask [B|1, Hkv|1, G|1,
-Lq|1, Lk|1].
+Lq|1, Lk|1] (post_mask too); sinks [B, Hkv, G, Lq] (f32).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hlotool.kernels.base import (
+    EXTRAS,
     AttentionKernel,
     Call,
     Features,
@@ -53,11 +57,18 @@ class _Static:
     causal: bool
     fill: float  # logit of a hidden key
     scale: float  # applied to each f32 score tile; 1.0 when q came in pre-scaled
+    softcap: float | None = None
+    visit_all: bool = False  # causal, but no block skipped (see the module docstring)
+
+    @property
+    def skips(self) -> bool:
+        """Whether key blocks above the diagonal are skipped."""
+        return self.causal and not self.visit_all
 
     @property
     def skipped_keys_count(self) -> bool:
         """Whether skipped (causal) blocks carry weight that must be added back."""
-        return self.causal and math.isfinite(self.fill)
+        return self.skips and math.isfinite(self.fill)
 
 
 def _tile(x: jax.Array | None, i, j, st: _Static) -> jax.Array | None:
@@ -72,9 +83,10 @@ def _tile(x: jax.Array | None, i, j, st: _Static) -> jax.Array | None:
 
 
 def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static
-            ) -> tuple[jax.Array, jax.Array | None]:
+            ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """f32 [B, Hkv, G·block_q, block_k] logits of tile (i, j) — `fill` where hidden, -inf on
-    padding — and whether each key is visible (None when all are).
+    padding —, whether each key is visible (None when all are) and, under soft-capping, the
+    tanh of each capped score (None without).
 
     q_i: [B, Hkv, G·block_q, D], the G query heads of a K/V head stacked as rows, so each
     tile is one batched matmul per K/V head.
@@ -82,6 +94,10 @@ def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static
     s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=jnp.float32)
     if st.scale != 1.0:
         s = s * st.scale
+    capped = None
+    if st.softcap is not None:
+        capped = jnp.tanh(s / st.softcap)
+        s = st.softcap * capped
     b, hkv, rows, bk = s.shape
     s = s.reshape(b, hkv, rows // st.block_q, st.block_q, bk)
     if bias is not None:
@@ -103,7 +119,16 @@ def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static
     if st.kv_len % st.block_k:
         s = jnp.where(k_pos < st.kv_len, s, -jnp.inf)
     flat = (b, hkv, rows, bk)
-    return s.reshape(flat), None if visible is None else visible.reshape(flat)
+    return s.reshape(flat), None if visible is None else visible.reshape(flat), capped
+
+
+def _kept(p, post, i, j, st: _Static):
+    """`p` [B, Hkv, G·block_q, block_k] zeroed where the post-softmax mask drops a key."""
+    if post is None:
+        return p
+    b, hkv, rows, bk = p.shape
+    keep = jnp.broadcast_to(_tile(post, i, j, st), (b, hkv, rows // st.block_q, st.block_q, bk))
+    return jnp.where(keep.reshape(p.shape), p, 0.0)
 
 
 def _rows(x: jax.Array, i, st: _Static) -> jax.Array:
@@ -114,14 +139,14 @@ def _rows(x: jax.Array, i, st: _Static) -> jax.Array:
 
 def _num_k_blocks(i, nk: int, st: _Static):
     """Key blocks query block i visits: all, or under `causal` those touching j <= i."""
-    if not st.causal:
+    if not st.skips:
         return nk
     return jnp.minimum(nk, cdiv((i + 1) * st.block_q, st.block_k))
 
 
 def _first_q_block(j, st: _Static):
     """First query block that sees key block j (0 unless causal)."""
-    if not st.causal:
+    if not st.skips:
         return 0
     return (j * st.block_k) // st.block_q
 
@@ -131,9 +156,10 @@ def _skipped_keys(i, st: _Static) -> jax.Array:
     return _num_k_blocks(i, cdiv(st.kv_len, st.block_k), st) * st.block_k
 
 
-def _forward(q, k, v, bias, mask, kv_lengths, st: _Static):
+def _forward(q, k, v, bias, mask, kv_lengths, post, sinks, st: _Static):
     """out [B, Hkv, G, Lq, Dv] (f32) and each row's max and normalizer [B, Hkv, G, Lq]
-    (0 and 1 for a row that saw nothing, whose out is then zeros)."""
+    (0 and 1 for a row that saw nothing, whose out is then zeros). A row's sink starts its
+    max and normalizer (weight exp(sink - max), no value)."""
     b, hkv, g, lq, _ = q.shape
     dv = v.shape[-1]
     nq, nk = lq // st.block_q, k.shape[2] // st.block_k
@@ -149,20 +175,24 @@ def _forward(q, k, v, bias, mask, kv_lengths, st: _Static):
             m, l, acc = carry
             k_j = lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, axis=2)
             v_j = lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, axis=2)
-            s, _ = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
+            s, _, _ = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             # Rows that have seen no key yet keep m = -inf; shift them by 0 so exp gives 0.
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - shift[..., None])
             corr = jnp.exp(m - shift)
             l = l * corr + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v_j.dtype), v_j,
+            pv = jnp.einsum("bhqk,bhkd->bhqd", _kept(p, post, i, j, st).astype(v_j.dtype), v_j,
                             preferred_element_type=jnp.float32)
             return m_new, l, acc * corr[..., None] + pv
 
         rows = (b, hkv, g * st.block_q)
-        init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
-                jnp.zeros(rows + (dv,), jnp.float32))
+        if sinks is None:
+            m0, l0 = jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32)
+        else:
+            m0 = _rows(sinks, i, st)
+            l0 = jnp.where(m0 > -jnp.inf, 1.0, 0.0)
+        init = (m0, l0, jnp.zeros(rows + (dv,), jnp.float32))
         m, l, acc = lax.fori_loop(0, _num_k_blocks(i, nk, st), key_block, init)
         if st.skipped_keys_count:
             # The keys of the blocks not visited, each with logit `fill`, in closed form.
@@ -191,8 +221,9 @@ def _forward(q, k, v, bias, mask, kv_lengths, st: _Static):
     return out, m, l
 
 
-def _backward(q, k, v, bias, mask, kv_lengths, out, m, l, do, st: _Static):
-    """dq, dk, dv, dbias (f32; dbias None without bias), recomputing each score tile once.
+def _backward(q, k, v, bias, mask, kv_lengths, post, sinks, out, m, l, do, st: _Static):
+    """dq, dk, dv, dbias, dsinks (f32; None without bias, sinks), recomputing each score tile
+    once.
 
     One loop over key blocks accumulates that block's dk, dv over the query blocks that see
     it, and adds each tile's contribution into dq. A hidden key's logit is the constant fill:
@@ -219,14 +250,16 @@ def _backward(q, k, v, bias, mask, kv_lengths, out, m, l, do, st: _Static):
             dq, dk_j, dv_j, dbias = inner
             q_i, do_i = _rows(q, i, st), _rows(do, i, st)
             m_i, inv_l_i, delta_i = _rows(m, i, st), _rows(inv_l, i, st), _rows(delta, i, st)
-            s, visible = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
+            s, visible, capped = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
             p = jnp.exp(s - m_i[..., None]) * inv_l_i[..., None]
-            dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", p, do_i)
+            dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", _kept(p, post, i, j, st), do_i)
             dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
-            ds = p * (dp - delta_i[..., None])
+            ds = p * (_kept(dp, post, i, j, st) - delta_i[..., None])
             if visible is not None:
                 ds = jnp.where(visible, ds, 0.0)
             dbias_tile = ds
+            if capped is not None:
+                ds = ds * (1.0 - jnp.square(capped))  # d(c·tanh(x / c)) / dx
             if st.scale != 1.0:
                 ds = ds * st.scale  # d(scale·q·k) w.r.t. q·k
             dk_j = dk_j + jnp.einsum("bhqk,bhqd->bhkd", ds, q_i,
@@ -263,25 +296,29 @@ def _backward(q, k, v, bias, mask, kv_lengths, out, m, l, do, st: _Static):
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
             jnp.zeros(v.shape, jnp.float32),
             None if bias is None else jnp.zeros(bias.shape, jnp.float32))
-    return lax.fori_loop(0, nk, key_block, init)
+    dq, dk, dv, dbias = lax.fori_loop(0, nk, key_block, init)
+    # A sink's logit enters like a key's with value 0: dsink = p_sink · (0 - delta).
+    dsinks = None if sinks is None else -jnp.exp(sinks - m) * inv_l * delta
+    return dq, dk, dv, dbias, dsinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, bias, mask, kv_lengths, st: _Static):
-    return _forward(q, k, v, bias, mask, kv_lengths, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _flash(q, k, v, bias, mask, kv_lengths, post, sinks, st: _Static):
+    return _forward(q, k, v, bias, mask, kv_lengths, post, sinks, st)[0]
 
 
-def _flash_fwd(q, k, v, bias, mask, kv_lengths, st):
-    out, m, l = _forward(q, k, v, bias, mask, kv_lengths, st)
-    return out, (q, k, v, bias, mask, kv_lengths, out, m, l)
+def _flash_fwd(q, k, v, bias, mask, kv_lengths, post, sinks, st):
+    out, m, l = _forward(q, k, v, bias, mask, kv_lengths, post, sinks, st)
+    return out, (q, k, v, bias, mask, kv_lengths, post, sinks, out, m, l)
 
 
 def _flash_bwd(st, residuals, do):
-    q, k, v, bias, mask, kv_lengths, out, m, l = residuals
-    dq, dk, dv, dbias = _backward(q, k, v, bias, mask, kv_lengths, out, m, l,
-                                  do.astype(jnp.float32), st)
+    q, k, v, bias, mask, kv_lengths, post, sinks, out, m, l = residuals
+    dq, dk, dv, dbias, dsinks = _backward(q, k, v, bias, mask, kv_lengths, post, sinks, out,
+                                          m, l, do.astype(jnp.float32), st)
     cast = lambda d, x: None if x is None else d.astype(x.dtype)  # noqa: E731
-    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None, None
+    return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None, None, None,
+            cast(dsinks, sinks))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -311,6 +348,7 @@ class Chunked(AttentionKernel):
 
     name = "chunked"
     platforms = ("cpu", "tpu", "cuda")
+    extras = frozenset(EXTRAS)
 
     def __init__(self, block_q: int = 512, block_k: int = 256):
         if block_q % 8 or block_k % 8 or block_q <= 0 or block_k <= 0:
@@ -336,7 +374,9 @@ class Chunked(AttentionKernel):
         # dtype it rounds q (and a scale of 1e6 is inf in float16): there the f32 tiles are
         # scaled instead, as the naive program scales its scores.
         wide = jnp.dtype(call.q.dtype).itemsize >= 4
-        st = _Static(bq, bk, lk, call.causal, call.fill, 1.0 if wide else call.scale)
+        st = _Static(bq, bk, lk, call.causal, call.fill, 1.0 if wide else call.scale,
+                     call.softcap, visit_all=call.post_mask is not None
+                     and math.isfinite(call.fill))
         q = call.q * jnp.asarray(call.scale, call.q.dtype) if wide else call.q
         q = q.reshape(b, lq, hkv, g, d)
         q = _pad_axis(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, lq_p)
@@ -353,6 +393,11 @@ class Chunked(AttentionKernel):
 
         # Padded keys sit at positions >= lk, so clamping the lengths masks them too.
         kv_lengths = None if call.kv_lengths is None else jnp.minimum(call.kv_lengths, lk)
-        out = _flash(q, k, v, to5(call.bias, 0), to5(call.mask, False), kv_lengths, st)
+        sinks = None
+        if call.sinks is not None:
+            sinks = to5(call.sinks.astype(jnp.float32), 0)[..., 0]
+            sinks = jnp.broadcast_to(sinks, (b, hkv, g, lq_p))
+        out = _flash(q, k, v, to5(call.bias, 0), to5(call.mask, False), kv_lengths,
+                     to5(call.post_mask, False), sinks, st)
         out = jnp.transpose(out[:, :, :, :lq], (0, 3, 1, 2, 4)).reshape(b, lq, hq, -1)
         return out.astype(call.result_dtype)

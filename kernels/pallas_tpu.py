@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 
 from hlotool import jaxcompat
 from hlotool.kernels._costed import with_backward_costs
-from hlotool.kernels._upstream import UpstreamKernel, with_hidden_keys, probe
+from hlotool.kernels._upstream import LANES, PaddedTpuKernel, block_for, padded_length, probe
 from hlotool.kernels.base import (
     Call,
     Features,
@@ -51,24 +51,14 @@ from hlotool.kernels.base import (
 from hlotool.site import AttentionSite
 
 UPSTREAM = "jax.experimental.pallas.ops.tpu.flash_attention"
-_LANES = 128
 # Upstream's own mask value: finite, so a fully masked row cannot produce inf - inf.
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
-
-
-def padded_length(length: int) -> int:
-    return round_up(length, _LANES)
-
-
-def block_for(padded: int) -> int:
-    """Largest of 512/256/128 dividing a padded length (bigger tiles amortize grid steps)."""
-    return next(b for b in (512, 256, 128) if padded % b == 0)
 
 
 def padded_head_dim(d: int, dv: int) -> int:
     """One head dim for q, k and v that upstream accepts: ≤ 128, or a multiple of 128."""
     d = max(d, dv)
-    return d if d <= _LANES else round_up(d, _LANES)
+    return d if d <= LANES else round_up(d, LANES)
 
 
 def _backward_estimate(scores: float, d: int, eqn) -> pl.CostEstimate:
@@ -83,7 +73,7 @@ def _backward_estimate(scores: float, d: int, eqn) -> pl.CostEstimate:
                            transcendentals=int(scores), bytes_accessed=int(nbytes))
 
 
-class PallasTpuFlash(UpstreamKernel):
+class PallasTpuFlash(PaddedTpuKernel):
     """JAX's Pallas TPU flash attention behind the common interface."""
 
     name = "pallas_tpu"
@@ -112,12 +102,6 @@ class PallasTpuFlash(UpstreamKernel):
             ab = 4 * site.batch * site.num_q_heads * site.q_len * site.kv_len
             cost += KernelCost(0, 0, ab * (3 if backward else 1), 0)
         return cost
-
-    def _hides_keys(self, call: Call) -> bool:
-        return super()._hides_keys(call) or padded_length(call.k.shape[1]) != call.k.shape[1]
-
-    def _attend(self, call: Call) -> jax.Array:
-        return with_hidden_keys(call, self._attend_upstream)
 
     def _attend_upstream(self, call: Call) -> jax.Array:
         fa = self._probe.module

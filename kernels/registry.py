@@ -17,22 +17,26 @@ from hlotool.kernels.chunked import Chunked
 from hlotool.kernels.pallas_gpu import PallasGpuFlash
 from hlotool.kernels.pallas_tpu import PallasTpuFlash
 from hlotool.kernels.reference import Reference
+from hlotool.kernels.splash_tpu import SplashTpu
 from hlotool.kernels.tokamax import Tokamax
 from hlotool.kernels.tokamax import installed as tokamax_installed
 from hlotool.site import AttentionSite
 
 _KERNELS: dict[str, AttentionKernel] = {
-    k.name: k for k in (PallasTpuFlash(), PallasGpuFlash(), Chunked(), Reference(),
-                        Tokamax("tpu"), Tokamax("cuda"))
+    k.name: k for k in (SplashTpu(), PallasTpuFlash(), PallasGpuFlash(), Chunked(),
+                        Reference(), Tokamax("tpu"), Tokamax("cuda"))
 }
 
 # Preference per platform, best first. "default" covers every platform not named (CPU).
 # tokamax, where installed, comes before jax's own Pallas kernels: upstream moved attention
 # there. Where it is not installed it is left out, so reasons do not list it as skipped.
+# Splash comes before flash on TPU: it takes causal masks, key padding, soft-caps, sinks and
+# grouped K/V heads without a dense bias or repeated heads; flash takes biases and arbitrary
+# masks (as a dense bias), as their `supports` say.
 # tokamax_gpu is never preferred (see hlotool.kernels.tokamax); asked for by name, it says why.
 _TOKAMAX = ("tokamax_tpu",) if tokamax_installed() else ()
 PRIORITY: dict[str, tuple[str, ...]] = {
-    "tpu": (*_TOKAMAX, "pallas_tpu", "chunked", "reference"),
+    "tpu": (*_TOKAMAX, "splash_tpu", "pallas_tpu", "chunked", "reference"),
     "cuda": ("pallas_gpu", "chunked", "reference"),
     "default": ("chunked", "reference"),
 }

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlotool import jaxcompat
-from hlotool.kernels._upstream import Upstream, UpstreamKernel, probe, with_hidden_keys
+from hlotool.kernels._upstream import PaddedTpuKernel, Upstream, padded_length, probe
 from hlotool.kernels.base import (
     Call,
     Features,
@@ -50,7 +50,6 @@ from hlotool.kernels.base import (
     flash_cost,
     soft_fill_refusal,
 )
-from hlotool.kernels.pallas_tpu import padded_length
 from hlotool.site import AttentionSite
 
 INSTALL = 'pip install "hlotool[tokamax]" (Python >= 3.12, jax >= 0.11.1)'
@@ -65,7 +64,7 @@ def installed() -> bool:
     return importlib.util.find_spec("tokamax") is not None
 
 
-class Tokamax(UpstreamKernel):
+class Tokamax(PaddedTpuKernel):
     """tokamax's attention for one platform behind the common interface."""
 
     optional = True  # an extra: unavailable here is not a broken install (`hlotool doctor`)
@@ -103,9 +102,6 @@ class Tokamax(UpstreamKernel):
                               "newer")
         return soft_fill_refusal(site, features)
 
-    def _hides_keys(self, call: Call) -> bool:
-        return super()._hides_keys(call) or padded_length(call.k.shape[1]) != call.k.shape[1]
-
     def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
         lq, lk = padded_length(site.q_len), padded_length(site.kv_len)
         cost = flash_cost(site, block_q=_BLOCK, block_k=_BLOCK, backward=backward)
@@ -114,9 +110,6 @@ class Tokamax(UpstreamKernel):
             # tile, forward and again in the backward.
             cost += KernelCost(0, 0, site.batch * lq * lk * (2 if backward else 1), 0)
         return cost
-
-    def _attend(self, call: Call) -> jax.Array:
-        return with_hidden_keys(call, self._attend_upstream)
 
     def _attend_upstream(self, call: Call) -> jax.Array:
         tokamax = self._probe.module

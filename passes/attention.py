@@ -3,8 +3,13 @@
 What is matched is the naive function
 
     scores = dot_general(q, k)                      # contraction over the head dim
-    logits = mask(scores * scale + bias)            # any order, any number of steps
+    logits = mask(scores * scale + bias)            # any order, any number of steps,
+                                                    # tanh(x / c) * c soft-capping among them
+    logits = concat([logits, sinks], keys)          # optional: attention sinks
+    logits = logits - stop_gradient(max(logits))    # optional: shifted by the row max
     probs  = exp(logits - max(logits)) / sum(...)   # or exp(logits) / sum(exp(logits))
+    probs  = where(mask, probs, 0) * head_mask      # optional, any order
+    probs  = probs[..., :Lk]                        # the sink column dropped, if concatenated
     out    = dot_general(probs, v)                  # contraction over the key axis
 
 written below as a `pattern.Pattern`, then `describe` follows axis labels (`passes/axes.py`)
@@ -45,9 +50,15 @@ LOGITS = Chain(
     SCORES,
     Step("scale", "mul", chain_at=(0, 1), sides=(Const(),)),
     Step("scale", "div", chain_at=(0,), sides=(Const(lambda v: v != 0),)),
+    Step("softcap", "tanh", chain_at=(0,), sides=()),  # between the two scales of c·tanh(x/c)
+    # x - stop_gradient(max(x)) before a softmax that shifts again (GPT-OSS): a no-op there,
+    # which `describe` checks (the max is x's own, over the keys, and nothing but casts follow)
+    Step("shift", "sub", chain_at=(0,), sides=(Through(Op("reduce_max", Any("shifted"),
+                                                          name="shift_max")),)),
     Step("bias", "add", chain_at=(0, 1), sides=(Any(),)),
     Step("bias", "sub", chain_at=(0,), sides=(Any(),)),
     Step("mask", "select", chain_at=(1, 2), sides=(Any(), Const(_fill))),
+    Step("sinks", "concatenate", chain_at=(0,), sides=(Any(),)),  # one more logit column
     record="logits_path",
     name="logits",
 )
@@ -65,11 +76,16 @@ SOFTMAX = Alt(
        commutative=True, name="probs"),
 )
 
-# After the softmax: layout ops, and multiplications by values constant along the keys (a
+# After the softmax: layout ops, multiplications by values constant along the keys (a
 # head mask, `einsum("...hqk,h->...hqk", p, head_mask)` included: the front ends read a dot
-# that contracts nothing as the product it is). Such a factor commutes with the value dot,
-# so the kernel's output takes it; `describe` checks it does not vary along the keys.
-PROBS = Chain(SOFTMAX, Step("post", "mul", chain_at=(0, 1), sides=(Any(),)),
+# that contracts nothing as the product it is), `where(mask, p, 0)` (Keras' masked softmax)
+# and the slice dropping a sink column. A factor commutes with the value dot, so the
+# kernel's output takes it; `describe` checks it does not vary along the keys.
+PROBS = Chain(SOFTMAX,
+              Step("post", "mul", chain_at=(0, 1), sides=(Any(),)),
+              Step("post_mask", "select", chain_at=(1, 2),
+                   sides=(Any(), Const(lambda v: v == 0))),
+              Step("drop_sinks", "slice", chain_at=(0,), sides=()),
               record="probs_path")
 
 ATTENTION = Op("dot_general", PROBS, Any("v"), commutative=True, name="out")
@@ -119,15 +135,19 @@ class MaskTerm:
     kind "causal": built from constants alone and equal to tril (query i sees keys ≤ i), as a
     select (`via` "mask") or as an additive constant (`via` "bias": 0 on and below the
     diagonal, `fill` the largest value above it). kind "additive": `scores + sign * operand`.
-    kind "boolean": `where(operand == keep_when, scores, fill)`. `operand` is the node as the
-    program holds it (None for a causal select); `scores_layout` maps
-    `broadcast_to(operand, at.shape)` to [B, Hq, Lq, Lk].
+    kind "boolean": `where(operand == keep_when, scores, fill)`. Two kinds act beside the
+    logits: "post", `where(operand == keep_when, probs, 0)` after the softmax, and "sinks",
+    the operand concatenated as one more logit column (its K axis is 1). `operand` is the node
+    as the program holds it (None for a causal select); `scores_layout` maps
+    `broadcast_to(operand, scores_layout.shape)` to [B, Hq, Lq, Lk]. That shape is the `at`
+    node's, or for one factor of an AND mask (`where(a & b, s, fill)`: one term per factor)
+    the factor's own.
     """
 
     kind: str
     at: Node  # the select/add/sub node applying it
     operand: Node | None
-    shape: tuple[int, ...]  # operand as broadcast against the scores (1 where constant)
+    shape: tuple[int, ...]  # operand as broadcast in scores_layout.shape (1 where constant)
     scores_layout: Layout
     sign: float = 1.0
     fill: float | None = None
@@ -152,7 +172,8 @@ class Multiplier:
 class LogitStep:
     """One step from the scores to the softmax input, in program order.
 
-    kind "scale": `x * value` or `x / value` (`op`); "cast": a convert to `dtype`; "mask" /
+    kind "scale": `x * value` or `x / value` (`op`); "softcap": a tanh; "cast": a convert to
+    `dtype`; "mask" /
     "bias": the `term` applied. `dtype` is the step's result dtype: the lowering replays the
     fill through the steps after it in these dtypes, as the program computes it.
     """
@@ -286,7 +307,8 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         if frozenset().union(*(max_in[a] for a in m["row_max"].params["axes"])) != key_tokens:
             raise _Reject("the row max runs over other axes than the softmax's sum")
     for link in logits_links:
-        if any(_depends_on(side, scores, position) for side in link.sides):
+        if link.kind != "shift" and any(_depends_on(side, scores, position)
+                                        for side in link.sides):
             raise _Reject("a bias or mask computed from the scores themselves")
     kinds = {t[0] for t in key_tokens}
     if len(key_tokens) != 1 or kinds not in ({"l"}, {"r"}):
@@ -362,21 +384,74 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
                       f"[B={bv}, L={lv}, H={hv}] do not line up as attention")
 
     scale = q_scale * k_scale
-    masks, steps = [], []
+    masks, steps, beside = [], [], []
+    last = None  # "sinks" or "shift" once one is seen: only layout ops (and a shift) follow
     for at, link in reversed(list(enumerate(logits_links))):  # program order
         node = link.node
-        if link.kind == "scale":
+        if last is not None and link.kind != "layout" and (last, link.kind) != ("sinks",
+                                                                                "shift"):
+            where = ("the sink column is concatenated" if last == "sinks"
+                     else "the logits are shifted by their row max")
+            raise _Reject(f"a {link.kind} step after {where}")
+        if link.kind == "sinks":
+            labels_here = _follow(logits_links[at + 1:], score_labels)
+            axis = node.params.get("axis")
+            side = link.sides[0]
+            if axis is None or labels_here[axis] != key_tokens or side.shape[axis] != 1:
+                raise _Reject("a concatenate between the scores and the softmax that adds "
+                              "other than one logit column along the keys")
+            if _depends_on(side, scores, position):
+                raise _Reject("sink logits computed from the scores themselves")
+            term = MaskTerm("sinks", node, side, _broadcast_shape(side, len(node.shape)),
+                            roles.layout(node.shape, labels_here, "BHLK"))
+            if "Q" in (_varying_axes([term]) or ""):
+                raise _Reject("sink logits that vary along the queries")
+            beside.append(term)
+            last = "sinks"
+        elif link.kind == "shift":
+            shifted, row_max = m["shifted"], m["shift_max"]
+            labels_in = _labels_on_chain(shifted, scores, score_labels, logits_links)
+            if (strip(shifted, LAYOUT_OPS) is not strip(node.inputs[0], LAYOUT_OPS)
+                    or frozenset().union(*(labels_in[a] for a in row_max.params["axes"]))
+                    != key_tokens):
+                raise _Reject("the logits are shifted by a max over other axes than the keys")
+            last = "shift"
+        elif link.kind == "softcap":
+            steps.append(LogitStep("softcap", node.dtype))
+        elif link.kind == "scale":
             value = uniform_value(link.sides[0])
             scale = scale * value if node.op == "mul" else scale / value
             steps.append(LogitStep("scale", node.dtype, node.op, value))
         elif link.kind in ("bias", "mask"):
-            term = _mask_term(link, _follow(logits_links[at + 1:], score_labels), roles)
-            masks.append(term)
-            steps.append(LogitStep(link.kind, node.dtype, term=term))
+            labels_here = _follow(logits_links[at + 1:], score_labels)
+            for term in (_conjuncts(link, labels_here, roles, position, scores)
+                         or [_mask_term(link, labels_here, roles)]):
+                masks.append(term)
+                steps.append(LogitStep(link.kind, node.dtype, term=term))
         elif node.op in ("convert", "reduce_precision"):
             steps.append(LogitStep("cast", node.dtype))
     multipliers = []
+    sinks = next((t for t in beside if t.kind == "sinks"), None)
+    dropped = False
     for at, link in reversed(list(enumerate(probs_links))):
+        if link.kind == "drop_sinks":
+            _check_sink_slice(link.node, _follow(probs_links[at + 1:], logits_labels),
+                              key_tokens, sinks)
+            dropped = True
+            continue
+        if link.kind in ("post", "post_mask") and sinks is not None and not dropped:
+            raise _Reject("the probabilities are changed before the sink column is dropped")
+        if link.kind == "post_mask":
+            pred = link.sides[0]
+            if _depends_on(pred, scores, position):
+                raise _Reject("a where(mask, p, 0) after the softmax whose mask is computed "
+                              "from the scores")
+            labels_here = _follow(probs_links[at + 1:], logits_labels)
+            beside.append(MaskTerm("post", link.node, pred,
+                                   _broadcast_shape(pred, len(link.node.shape)),
+                                   roles.layout(link.node.shape, labels_here, "BHLK"),
+                                   keep_when=link.chain_input == 1))
+            continue
         if link.kind != "post":
             continue
         (factor,) = link.sides
@@ -394,7 +469,13 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
                           "keys (dropout, or a mask applied after the softmax)")
         multipliers.append(Multiplier(link.node, factor, shape,
                                       roles.layout(link.node.shape, labels_here, "BHLK")))
-    has_scale = (q_scale != 1.0 or k_scale != 1.0
+    if sinks is not None and not dropped:
+        raise _Reject("the sink column's probability is not dropped before the value dot")
+    # What the scores are effectively scaled by: also constant factors q or k took before
+    # the reshape that split their heads (GPT-Neo multiplies q by √d, and flax then divides
+    # by it). The kernel reads q and k after that reshape, so only the report counts them.
+    before_split = _scale_before_split(q_entry) * _scale_before_split(k_entry)
+    has_scale = (q_scale != 1.0 or k_scale != 1.0 or before_split != 1.0
                  or any(link.kind == "scale" for link in logits_links))
     chain = replay(steps)
     if chain.refusal is None:
@@ -402,22 +483,29 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         # -inf is an additive bias.
         masks = [t for t, _ in chain.biases] + list(chain.masks)
     kinds = [t.kind for t in masks]
+    masks += beside
     kind = next((k for k in ("additive", "boolean", "causal") if k in kinds), "none")
     reported = next((t for t in masks if t.kind == kind), None)
     internals = {name: m[name] for name in ("scores", "logits", "row_max", "exp", "row_sum",
                                            "probs") if name in m}
     site = AttentionSite(
         batch=b, q_len=lq, kv_len=lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-        v_head_dim=dv, dtype=q_entry.dtype, scale=scale if has_scale else None, mask=kind,
+        v_head_dim=dv, dtype=q_entry.dtype, scale=scale * before_split if has_scale else None,
+        mask=kind,
         mask_shape=reported.shape if reported is not None and kind != "causal" else None,
         mask_fill=chain.fill if chain.refusal is None and chain.masks else None,
+        mask_axes=_varying_axes([t for t in masks if t.kind in ("additive", "boolean")]),
         multiplier_shape=multipliers[0].shape if multipliers else None,
+        softcap=chain.softcap, post_mask=any(t.kind == "post" for t in beside),
+        sinks=sinks is not None,
         q_shape=q_entry.shape, k_shape=k_entry.shape, v_shape=v_entry.shape,
         layout=q_layout.roles, softmax_dtype=m["exp"].dtype, function=function,
         source=scores.source or out.source,
     )
     stops = {id(n) for n in (q_entry, k_entry, v_entry)}
-    stops |= {id(s) for link in (*logits_links, *probs_links) for s in link.sides}
+    # A shift's row max is computed from the logits: part of the site, not an operand.
+    stops |= {id(s) for link in (*logits_links, *probs_links) if link.kind != "shift"
+              for s in link.sides}
     return Match(
         site=site,
         q=Operand(q_entry, q_layout),
@@ -427,6 +515,38 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         logits=chain, multipliers=tuple(multipliers), body=_body(out, stops),
         internals=internals,
     )
+
+
+def _varying_axes(terms: list[MaskTerm]) -> str | None:
+    """The canonical axes ("BHQK" order) along which any of `terms`' operands vary."""
+    if not terms:
+        return None
+    found = set()
+    for t in terms:
+        layout = t.scores_layout
+        for ga, gb in axes.reshape_groups(layout.shape, layout.split) or ():
+            if any(t.shape[a] != 1 for a in ga):
+                found.update(layout.roles[j] for j in gb)
+    letters = {"B": "B", "H": "H", "G": "H", "L": "Q", "K": "K"}
+    return "".join(c for c in "BHQK" if c in {letters.get(r, "") for r in found})
+
+
+def _check_sink_slice(node: Node, labels: axes.Labels, key_tokens: frozenset,
+                      sinks: MaskTerm | None) -> None:
+    """A slice after the softmax must drop exactly the concatenated sink column (the last
+    along the keys) and keep everything else."""
+    if sinks is None:
+        raise _Reject("a slice after the softmax")
+    start, limit = node.params.get("start"), node.params.get("limit")
+    strides = node.params.get("strides") or (1,) * len(node.shape)
+    full = node.inputs[0].shape
+    keys = [a for a, lab in enumerate(labels) if lab == key_tokens]
+    if (start is None or len(start) != len(full) or len(keys) != 1
+            or any(st != 1 for st in strides)
+            or any((b, e) != (0, full[a] - (a == keys[0]))
+                   for a, (b, e) in enumerate(zip(start, limit)))):
+        raise _Reject("the slice after the softmax keeps other than the keys before the sink "
+                      "column")
 
 
 def _labels_on_chain(node: Node, scores: Node, score_labels: axes.Labels,
@@ -502,6 +622,23 @@ def _trace(node: Node, labels: axes.Labels, qside: str, head_token
         labels = step[0]
         node = node.inputs[0]
     return node, labels, scale
+
+
+def _scale_before_split(node: Node) -> float:
+    """The product of constant scalings below `node` through layout ops (the reshape where
+    `_trace` stopped, and casts): 1.0 when there are none."""
+    factor = 1.0
+    while True:
+        if node.op in ("reshape", "transpose", "convert", "copy") and node.inputs:
+            node = node.inputs[0]
+            continue
+        at = _scaled_operand(node) if node.op in ("mul", "div") and len(node.inputs) == 2 \
+            else None
+        if at is None:
+            return factor
+        value = uniform_value(node.inputs[1 - at])
+        factor = factor * value if node.op == "mul" else factor / value
+        node = node.inputs[at]
 
 
 def _scaled_operand(node: Node) -> int | None:
@@ -657,6 +794,57 @@ class _Roles:
         if "H" not in roles:
             roles = roles.replace("G", "H")  # MQA: the query heads are all group axes
         return Layout(tuple(shape), roles, tuple(n for n, _, _ in virtual), perm, canonical)
+
+
+def _conjuncts(link: Link, labels: axes.Labels, roles: _Roles, position: dict[int, int],
+               scores: Node) -> list[MaskTerm] | None:
+    """`where(a & b & ..., s, fill)` as one term per factor, when a factor is a causal mask
+    read from its structure (`jnp.tril(...) & padding`, gemma's and HF's masks): the kernel
+    then skips blocks for the causal factor and reads the others as they are, small (a key
+    padding mask stays [B, 1, 1, Lk]). None when the mask is no such AND."""
+    if link.kind != "mask" or link.chain_input != 1:
+        return None
+    node, (pred, fill_node) = link.node, link.sides
+    fill = uniform_value(fill_node)
+    while pred.op in ("convert", "copy", "broadcast", "reshape"):
+        step = axes.backward(pred, labels) if pred.op != "convert" else (labels, [])
+        if step is None:
+            return None
+        labels, pred = step[0], pred.inputs[0]
+    if pred.op != "and":
+        return None
+
+    def fits(n: Node) -> bool:  # jaxpr's `and` broadcasts unit axes of equal-rank operands
+        return len(n.shape) == len(pred.shape) and all(
+            a in (1, b) for a, b in zip(n.shape, pred.shape))
+
+    leaves, stack = [], [pred]
+    while stack:
+        n = strip(stack.pop(), ("convert", "copy"))
+        if n.op == "and" and fits(n):
+            stack.extend(reversed(n.inputs))
+        elif fits(n):
+            leaves.append(n)
+        else:
+            return None
+    qk = _qk_axes(labels, roles)
+    terms, causal = [], False
+    for leaf in leaves:
+        if uniform_value(leaf) == 1:  # `ones & mask` (jax.nn.dot_product_attention)
+            continue
+        if (qk is not None and all(leaf.shape[a] == pred.shape[a] for a in qk)
+                and masks.causal_offset(leaf, *qk) == 0):
+            causal = True
+            if not any(t.kind == "causal" for t in terms):
+                terms.append(MaskTerm("causal", node, None, (1,) * len(pred.shape),
+                                      roles.layout(pred.shape, labels, "BHLK"), fill=fill))
+            continue
+        if _depends_on(leaf, scores, position):
+            return None
+        space = roles.layout(leaf.shape, labels, "BHLK")
+        terms.append(MaskTerm("boolean", node, leaf, _broadcast_shape(leaf, len(leaf.shape)),
+                              space, fill=fill))
+    return terms if causal else None
 
 
 def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:

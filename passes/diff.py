@@ -145,6 +145,13 @@ class _Matcher:
     def free(self, x: str, y: str) -> bool:
         return x not in self.fwd and y not in self.back
 
+    def alike(self, x: str, y: str) -> bool:
+        """Same opcode and shape, enough to pair two operands of paired instructions; a
+        custom-call must match in full (XLA's online-softmax and a splash kernel are two
+        calls of one target and one shape)."""
+        la, lb = self.a.local[x], self.b.local[y]
+        return la == lb if la[0] == "custom-call" else la[:2] == lb[:2]
+
     def pair(self, x: str, y: str) -> None:
         self.fwd[x] = y
         self.back[y] = x
@@ -153,7 +160,7 @@ class _Matcher:
         ra = node_id(self.a.module.entry.name, self.a.module.entry.root.name)
         rb = node_id(self.b.module.entry.name, self.b.module.entry.root.name)
         self._exact()
-        if self.free(ra, rb) and self.a.local[ra][:2] == self.b.local[rb][:2]:
+        if self.free(ra, rb) and self.alike(ra, rb):
             self.pair(ra, rb)
         worklist = list(self.fwd.items())
         while worklist:
@@ -223,7 +230,7 @@ class _Matcher:
             below = [*zip(self.a.operands(x), self.b.operands(y)),
                      *zip(self.a.callee_roots(x), self.b.callee_roots(y))]
             for ox, oy in below:
-                if self.free(ox, oy) and self.a.local[ox][:2] == self.b.local[oy][:2]:
+                if self.free(ox, oy) and self.alike(ox, oy):
                     self.pair(ox, oy)
                     found.append((ox, oy))
                     stack.append((ox, oy))

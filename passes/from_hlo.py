@@ -75,6 +75,14 @@ def _normalize(inst: Instruction, module: Module) -> tuple[str, dict, list[str]]
         return "transpose", {"perm": inst.dims("dimensions")}, operands
     if op == "compare":
         return "compare", {"direction": inst.attributes["direction"].lower()}, operands
+    if op == "slice":
+        bounds = [[int(x) for x in part.split(":")] for part in
+                  re.findall(r"\[([0-9:]+)\]", inst.attributes.get("slice", ""))]
+        return "slice", {"start": tuple(b[0] for b in bounds),
+                         "limit": tuple(b[1] for b in bounds),
+                         "strides": tuple(b[2] if len(b) > 2 else 1 for b in bounds)}, operands
+    if op == "concatenate":
+        return "concatenate", {"axis": inst.dims("dimensions")[0]}, operands
     if op == "iota":
         return "iota", {"dimension": int(inst.attributes["iota_dimension"])}, operands
     return _RENAMED.get(op, op), {}, operands

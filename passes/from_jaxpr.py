@@ -112,6 +112,11 @@ def _normalize(eqn: jaxcompat.JaxprEqn) -> tuple[str, dict[str, Any], tuple[int,
         return "compare", {"direction": prim}, None
     if prim == "iota":
         return prim, {"dimension": int(p["dimension"])}, None
+    if prim == "slice":
+        return prim, {"start": tuple(p["start_indices"]), "limit": tuple(p["limit_indices"]),
+                      "strides": tuple(p["strides"]) if p.get("strides") else None}, None
+    if prim == "concatenate":
+        return prim, {"axis": int(p["dimension"])}, None
     if prim == "integer_pow":
         return prim, {"y": p["y"]}, None
     return _RENAMED.get(prim, prim), {}, None
@@ -333,11 +338,13 @@ def _to_jaxpr_site(closed: jaxcompat.ClosedJaxpr, match: Match,
         readers[level] = _readers(jaxpr)
     escaping = {v for v in defined if readers[level].get(v, set()) - eqns}
     masks = tuple(
-        MaskVar(t.kind, *_visible(t.operand, level), t.at.shape, t.scores_layout, t.sign,
+        MaskVar(t.kind, *_visible(t.operand, level), t.scores_layout.shape, t.scores_layout,
+                t.sign,
                 t.fill, t.keep_when, var(t.key_lengths))
         for t in match.masks)
     multipliers = tuple(
-        MaskVar("multiplier", *_visible(t.operand, level), t.at.shape, t.scores_layout)
+        MaskVar("multiplier", *_visible(t.operand, level), t.scores_layout.shape,
+                t.scores_layout)
         for t in match.multipliers)
     return JaxprSite(
         site=match.site, path=level, eqns=tuple(sorted(eqns)),

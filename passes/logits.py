@@ -1,12 +1,14 @@
 """What a site's logits chain computes, in the kernel's terms — or why it has none.
 
 The chain between Q·Kᵀ and the softmax is a sequence of steps (`attention.LogitStep`): scale
-by a constant, add a bias, mask with `where(mask, x, fill)`, cast. Whatever their order, the
-softmax input is
+by a constant, add a bias, mask with `where(mask, x, fill)`, cast, and at most one tanh
+(soft-capping, `tanh(x / c) * c`). Whatever their order, the softmax input is
 
-    logits = where(visible, C · scores + B, F)
+    logits = where(visible, cap(C · scores) + B, F)
 
-with C the product of the scale steps, B each bias times the scale steps after it, `visible`
+with C the product of the scale steps, cap the identity or, after a tanh, c·tanh(x / c) with
+c the product of the scale steps after it (only its size matters: tanh is odd), B each bias
+times the scale steps after it, `visible`
 the AND of the masks, and F the logit of a hidden key: the mask's fill carried through every
 step after the mask, in the dtypes the program computes them in. That last part is why a fill
 is not simply "a mask": `where(m, s, -1e4) * 1e-4` gives hidden keys logit -1, which is no
@@ -16,7 +18,10 @@ computes; kernels then implement F exactly (`hlotool.kernels.base`).
 Where the chain has no such form, `replay` says why, and the site stays native:
   - a bias added after a mask whose hidden keys keep a finite logit (F would differ per key);
   - masks whose hidden keys end with different logits;
-  - a hidden logit that ends +inf or NaN (a negative scale after a -inf fill).
+  - a hidden logit that ends +inf or NaN (a negative scale after a -inf fill);
+  - a bias before the tanh (the kernel caps the scores alone), or a second tanh.
+A mask before the tanh is replayed through it: its hidden keys end with the finite logit
+c·tanh(fill·…), a soft mask the kernels implement exactly.
 An additive causal constant (0 on and below the diagonal, very negative above) hides keys only
 when its value ends -inf; otherwise C·s + b still depends on the scores there, so it is kept as
 what it is, an additive bias.
@@ -44,6 +49,7 @@ class Logits:
     and additive causal constants that end -inf.
     causal: some term hides the keys above the diagonal.
     fill: F, the logit of a hidden key; -inf when there is no mask.
+    softcap: c of the soft-cap c·tanh(x / c) (positive), or None without a tanh.
     refusal: why the chain has no kernel form (then the rest is meaningless), or None.
     """
 
@@ -52,6 +58,7 @@ class Logits:
     masks: tuple[MaskTerm, ...]
     causal: bool
     fill: float
+    softcap: float | None = None
     refusal: str | None = None
 
 
@@ -84,12 +91,24 @@ def _fmt(x: float) -> str:
 def replay(steps: Sequence[LogitStep]) -> Logits:
     """Replay the chain's steps in program order; see the module docstring."""
     scale = 1.0
+    cap = None  # the product of the scale steps after the tanh
     biases: list[list] = []  # [term, multiplier, replayed value of an additive causal]
     hides: list[list] = []  # [term, replayed fill]
     for step in steps:
-        if step.kind == "scale":
+        if step.kind == "softcap":
+            if cap is not None:
+                return _refused("two tanh soft-caps on the logits")
+            if biases:
+                return _refused("a bias is added before the tanh soft-cap: kernels cap the "
+                                "scaled scores, then add the bias")
+            cap = 1.0
+            for entry in hides:
+                entry[1] = _in(step.dtype, math.tanh(entry[1]))
+        elif step.kind == "scale":
             c = float(step.value)
             scale = scale * c if step.op == "mul" else scale / c
+            if cap is not None:
+                cap = cap * c if step.op == "mul" else cap / c
             for entry in hides:
                 entry[1] = _apply(step.dtype, step.op, entry[1], c)
             for entry in biases:
@@ -132,9 +151,12 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
                         "steps that follow them")
     if not math.isfinite(scale):
         return _refused(f"the scores are scaled by {_fmt(scale)}")
+    if cap is not None and not (math.isfinite(cap) and cap != 0):
+        return _refused(f"the tanh soft-cap is scaled by {_fmt(cap)}")
     return Logits(scale=scale, biases=tuple(kept), masks=tuple(t for t, _ in hides),
                   causal=any(t.kind == "causal" for t, _ in hides),
-                  fill=fills.pop() if fills else -math.inf)
+                  fill=fills.pop() if fills else -math.inf,
+                  softcap=None if cap is None else abs(cap))
 
 
 def _refused(reason: str) -> Logits:

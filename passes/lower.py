@@ -10,10 +10,11 @@ a site no kernel call can reproduce. `operands` brings the values the site reads
 [B, L, H, D] terms: q, k and v through their layouts, each mask and bias operand from the
 smallest value the program broadcast it from (a [B, 1, 1, Lk] padding mask stays that small).
 
-Rows whose every logit is -inf are NaN in the naive program (softmax of nothing); kernels
-return zeros there, so `restore` puts the NaN back: the rewritten program returns what
-`jax.jit` of the naive one returns. Gradients through such a row are finite where the naive
-program's are NaN. Factors of the probabilities that are constant along the keys (a head
+Rows whose every logit is -inf are NaN in the naive program (softmax of nothing; after a
+`where(mask, p, 0)` only where that mask keeps a key; with a sink only where it is -inf);
+kernels return zeros there, so `restore` puts the NaN back: the rewritten program returns
+what `jax.jit` of the naive one returns. Gradients through such a row are finite where the
+naive program's are NaN. Factors of the probabilities that are constant along the keys (a head
 mask) commute with the value dot: `restore` multiplies the kernel's output by them.
 """
 
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hlotool.kernels.base import Call, make_call, visible_keys
+from hlotool.kernels.base import Call, Features, make_call, visible_keys
 from hlotool.passes.attention import Layout
 from hlotool.passes.axes import reshape_groups
 from hlotool.passes.from_jaxpr import JaxprSite, MaskVar
@@ -38,10 +39,12 @@ from hlotool.passes.rewrite import RewriteError
 class KernelForm:
     """What a kernel call needs to know about a site before seeing any value.
 
-    scale: C in `where(visible, C·q·kᵀ + bias, fill)`; causal: hide keys above the diagonal;
-    fill: the logit of a hidden key; biases: (operand, multiplier), summed into the bias;
-    masks: boolean operands, ANDed into the mask; nan_rows: whether rows can be all -inf;
-    multipliers: factors of the output (operands brought to [B, Hq, Lq, 1]).
+    scale: C in `where(visible, cap(C·q·kᵀ) + bias, fill)`; causal: hide keys above the
+    diagonal; fill: the logit of a hidden key; softcap: c of cap = c·tanh(x / c), or None;
+    biases: (operand, multiplier), summed into the bias; masks: boolean operands, ANDed into
+    the mask; nan_rows: whether rows can be all -inf; multipliers: factors of the output
+    (operands brought to [B, Hq, Lq, 1]); post_masks: `where(m, p, 0)` operands after the
+    softmax, ANDed; sinks: the sink logits' operand, or None.
     """
 
     scale: float
@@ -51,6 +54,24 @@ class KernelForm:
     masks: tuple[MaskVar, ...]
     nan_rows: bool
     multipliers: tuple[MaskVar, ...] = ()
+    softcap: float | None = None
+    post_masks: tuple[MaskVar, ...] = ()
+    sinks: MaskVar | None = None
+
+    @property
+    def features(self) -> Features:
+        """What the call asks of a kernel (a site reports one mask kind; its call may combine
+        a causal mask with a boolean one)."""
+        return Features(causal=self.causal, bias=bool(self.biases), mask=bool(self.masks),
+                        finite_fill=math.isfinite(self.fill),
+                        softcap=self.softcap is not None, post_mask=bool(self.post_masks),
+                        sinks=self.sinks is not None)
+
+    @property
+    def operand_masks(self) -> tuple[MaskVar, ...]:
+        """Every operand of the call but the biases, in a fixed order."""
+        return (*self.masks, *self.multipliers, *self.post_masks,
+                *(() if self.sinks is None else (self.sinks,)))
 
     def signature(self) -> tuple:
         """Everything `operands` reads from the form, with operand variables left out: equal
@@ -59,10 +80,12 @@ class KernelForm:
             return (m.kind, m.at_shape, m.scores_layout, m.keep_when,
                     tuple((n.op, n.shape, n.dtype, repr(sorted(n.params.items())))
                           for n in m.replay))
-        return (self.scale, self.causal, self.fill, self.nan_rows,
+        return (self.scale, self.causal, self.fill, self.nan_rows, self.softcap,
                 tuple((var_free(m), mult) for m, mult in self.biases),
                 tuple(var_free(m) for m in self.masks),
-                tuple(var_free(m) for m in self.multipliers))
+                tuple(var_free(m) for m in self.multipliers),
+                tuple(var_free(m) for m in self.post_masks),
+                None if self.sinks is None else var_free(self.sinks))
 
 
 def lower(site: JaxprSite) -> KernelForm:
@@ -75,16 +98,24 @@ def lower(site: JaxprSite) -> KernelForm:
     chain = site.match.logits
     if chain.refusal is not None:
         raise RewriteError(chain.refusal)
-    by_node = {id(t.at): m for t, m in zip(site.match.masks, site.masks)}
-    biases = tuple((by_node[id(t.at)], mult) for t, mult in chain.biases)
-    masks = tuple(by_node[id(t.at)] for t in chain.masks if t.kind == "boolean")
-    for m in (*(b for b, _ in biases), *masks, *site.multipliers):
+    # Terms by where and what they apply (replay rewrites an additive causal into a new term;
+    # the factors of an AND mask share their select).
+    by_node = {(id(t.at), id(t.operand)): m for t, m in zip(site.match.masks, site.masks)}
+    biases = tuple((by_node[id(t.at), id(t.operand)], mult) for t, mult in chain.biases)
+    masks = tuple(by_node[id(t.at), id(t.operand)] for t in chain.masks if t.kind == "boolean")
+    beside = [(t.kind, m) for t, m in zip(site.match.masks, site.masks)
+              if t.kind in ("post", "sinks")]
+    post_masks = tuple(m for kind, m in beside if kind == "post")
+    sinks = next((m for kind, m in beside if kind == "sinks"), None)
+    for m in (*(b for b, _ in biases), *masks, *site.multipliers, *post_masks,
+              *(() if sinks is None else (sinks,))):
         if m.var is None:
             raise RewriteError(f"the {m.kind} operand is computed inside a call the site only "
                                "partly covers")
+    nan_rows = bool(biases or masks) and chain.fill == -math.inf
     return KernelForm(scale=site.scale, causal=chain.causal, fill=chain.fill, biases=biases,
-                      masks=masks, nan_rows=bool(biases or masks) and chain.fill == -math.inf,
-                      multipliers=site.multipliers)
+                      masks=masks, nan_rows=nan_rows, multipliers=site.multipliers,
+                      softcap=chain.softcap, post_masks=post_masks, sinks=sinks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +138,14 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array]
     for m, mult in form.biases:
         x = scores_operand(m, values[m.var]).astype(jnp.float32) * mult
         bias = x if bias is None else bias + x
-    for m in form.masks:
-        x = scores_operand(m, values[m.var])
-        x = x if m.keep_when else ~x
-        mask = x if mask is None else mask & x
+    mask, post = _all_of(form.masks, values), _all_of(form.post_masks, values)
+    sinks = None if form.sinks is None else scores_operand(form.sinks, values[form.sinks.var])
     # A head mask multiplies the output: in f32, so that its gradient (a sum of dO·out over
     # B·Lq·Dv terms) is not computed from an output already rounded to bf16 or f16.
     call = make_call(q, k, v, scale=form.scale, bias=bias, mask=mask, causal=form.causal,
-                     fill=form.fill, out_dtype="float32" if form.multipliers else None)
+                     fill=form.fill, softcap=form.softcap, post_mask=post,
+                     sinks=None if sinks is None else sinks.astype(jnp.float32),
+                     out_dtype="float32" if form.multipliers else None)
     factors = tuple(scores_operand(m, values[m.var]) for m in form.multipliers)
     if not form.nan_rows:
         return call, After(factors=factors)
@@ -122,7 +153,22 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array]
     if call.bias is not None:
         finite = call.bias > -jnp.inf
         live = finite if live is None else live & finite
-    return call, After(~jnp.any(live, axis=-1, keepdims=True), factors)
+    empty = ~jnp.any(live, axis=-1, keepdims=True)
+    if post is not None:  # where(m, NaN, 0) is NaN only where m keeps the key
+        empty = empty & jnp.any(post, axis=-1, keepdims=True)
+    if call.sinks is not None:  # a finite sink is a logit the row always has
+        empty = empty & (call.sinks == -jnp.inf)
+    return call, After(empty, factors)
+
+
+def _all_of(masks: tuple[MaskVar, ...], values: Mapping[Any, jax.Array]) -> jax.Array | None:
+    """The AND of boolean operands in canonical terms (True = keep), or None without any."""
+    out = None
+    for m in masks:
+        x = scores_operand(m, values[m.var])
+        x = x if m.keep_when else ~x
+        out = x if out is None else out & x
+    return out
 
 
 def restore(site: JaxprSite, out: jax.Array, after: After) -> jax.Array:

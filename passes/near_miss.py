@@ -3,14 +3,14 @@
 A candidate is two dots around an exp — `dot(f(exp(g(dot(...)))), ...)` — that is not a
 detected site. Like XLA's `explain_os`, each says why, in user terms:
 
-    tanh between the scores and the softmax (logit soft-capping)
-    a where(mask, p, 0) after the softmax
+    a floor between the scores and the softmax
     dropout on the probabilities (multiplied by a random keep mask)
     the second dot does not contract the key axis the softmax runs over
 
 Scores side (exp's input down to the first dot): the pattern's vocabulary is layout ops,
-scale, bias and mask steps and the row max; the first op outside it is the reason. Probability
-side (exp up to the dot that reads it): layout ops and the normalization by exp's own sum.
+scale, bias, mask, tanh and concatenate steps and the row max; the first op outside it is the
+reason. Probability side (exp up to the dot that reads it): layout ops, the normalization by
+exp's own sum, `where(m, p, 0)` and slices.
 When both sides are clean, the pattern's own shape checks (`attention.rejection`) say why.
 """
 
@@ -24,7 +24,8 @@ from hlotool.passes.attention import Match, rejection
 from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, uniform_value
 
 # Ops the logits chain may hold between the scores' dot and the exp.
-_CHAIN = LAYOUT_OPS | {"mul", "div", "add", "sub", "select", "max", "neg", "reduce_max"}
+_CHAIN = LAYOUT_OPS | {"mul", "div", "add", "sub", "select", "max", "neg", "reduce_max", "tanh",
+                       "concatenate"}
 # How far to look from an exp for the dots around it.
 _REACH = 40
 _RANDOM = {"random_bits", "rng_bit_generator", "rng", "threefry2x32", "random_wrap",
@@ -93,11 +94,6 @@ def _select_fill(node: Node) -> float | None:
 
 
 def _scores_blocker(node: Node) -> str:
-    if node.op == "tanh":
-        return "tanh between the scores and the softmax (logit soft-capping)"
-    if node.op == "concatenate":
-        return ("a concatenate between the scores and the softmax (an extra logit column: "
-                "attention sinks?)")
     if node.op == "select":
         return "a where() between the scores and the softmax whose fill is not a constant"
     return f"a {node.op} between the scores and the softmax"
@@ -139,8 +135,12 @@ def _derives_from(node: Node, ids: set[int], depth: int = 6) -> bool:
 
 
 def _normalizes(user: Node, prev: Node, sums: set[int], users) -> bool:
-    """A layout op, or the division by (multiplication with the reciprocal of) exp's sum."""
-    if user.op in LAYOUT_OPS:
+    """A layout op, a slice, `where(m, p, 0)`, or the division by (multiplication with the
+    reciprocal of) exp's sum."""
+    if user.op in LAYOUT_OPS or user.op == "slice":
+        return True
+    if user.op == "select" and any(uniform_value(i) == 0.0 for i in user.inputs[1:]
+                                   if i is not prev):
         return True
     if user.op in ("div", "mul") and len(user.inputs) == 2:
         other = user.inputs[1] if user.inputs[0] is prev else user.inputs[0]
@@ -150,9 +150,7 @@ def _normalizes(user: Node, prev: Node, sums: set[int], users) -> bool:
 
 def _probs_blocker(user: Node, prev: Node) -> str:
     if user.op == "select":
-        zero = any(uniform_value(i) == 0.0 for i in user.inputs[1:] if i is not prev)
-        return ("a where(mask, p, 0) after the softmax" if zero
-                else "a where() after the softmax")
+        return "a where() after the softmax that does not zero what it drops"
     if user.op in ("mul", "div") and len(user.inputs) == 2:
         other = user.inputs[1] if user.inputs[0] is prev else user.inputs[0]
         if uniform_value(other) is not None:
@@ -161,8 +159,6 @@ def _probs_blocker(user: Node, prev: Node) -> str:
             return "dropout on the probabilities (multiplied by a random keep mask)"
         return ("the probabilities are multiplied by a tensor after the softmax (a head mask "
                 "or dropout)")
-    if user.op == "slice":
-        return "a slice after the softmax (a sink column dropped?)"
     return f"a {user.op} between the softmax and the value dot"
 
 

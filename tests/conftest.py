@@ -11,7 +11,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 @pytest.fixture(autouse=True, scope="session")
 def pallas_tpu_preferred():
     """Where tokamax is installed the registry prefers it on TPU; the suite's TPU expectations
-    (custom-call counts, cost estimates, reasons) are the Pallas TPU kernel's. Session-wide,
+    (custom-call counts, cost estimates, reasons) are jax's own Pallas TPU kernels' (splash,
+    flash). Session-wide,
     so module-scoped fixtures see it too; the tokamax tests put it back first
     (tests/test_jaxcompat.py)."""
     from hlotool.kernels import registry

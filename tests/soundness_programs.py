@@ -5,9 +5,13 @@ A `Program` is softmax(chain(Q·Kᵀ))·V written the plain way, where the chain
 sequence of steps: scale (mul/div by 1e-6 … 1e3), masks (`where(m, s, fill)` or its mirror,
 fill -inf / finfo.min / -1e9 / -1e4 / -5; causal top-left or bottom-right, sliding window,
 random boolean, key padding from lengths, rows with no visible key), additive biases of every
-broadcast shape (some with -inf / finfo.min entries) and additive causal constants; in f32,
-bf16 or f16, BLHD / BHLD / merged-heads layouts, GQA by repeat, Lq = 1 and Lk = 1 included.
-Head masks (`einsum("...hqk,h->...hqk", p, m)`, all ones or data) multiply the probabilities.
+broadcast shape (some with -inf / finfo.min entries), additive causal constants and tanh
+soft-capping (`tanh(s / c) * c`); in f32, bf16 or f16, BLHD / BHLD / merged-heads layouts, GQA
+by repeat, Lq = 1 and Lk = 1 included. A sink logit per head may be concatenated as one more
+column (then dropped after the softmax), the logits may be shifted by their row max first
+(`s - stop_gradient(max(s))`, GPT-OSS), and after the softmax `where(m, p, 0)` (Keras' masked
+softmax: with the chain's own mask or another) and head masks (`einsum("...hqk,h->...hqk", p,
+m)`, all ones or data) apply.
 Look-alikes (softmax over the query axis, `softmax(where=)`, a multiplicative mask, a scale
 after the softmax, a squared softmax) are not attention and must come back untouched.
 
@@ -58,9 +62,10 @@ LOOKALIKES = ("softmax_over_queries", "softmax_where", "multiplicative_mask",
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    kind: str  # "scale" | "mask" | "bias" | "causal_bias"
+    kind: str  # "scale" | "mask" | "bias" | "causal_bias" | "softcap"
     op: str = "mul"  # scale: mul/div
-    value: float = 1.0  # scale: the constant; causal_bias: the value above the diagonal
+    value: float = 1.0  # scale: the constant; causal_bias: the value above the diagonal;
+    # softcap: c of tanh(s / c) * c
     mask: str = ""  # mask kind
     fill: str = "-inf"
     mirrored: bool = False  # where(~m, fill, s) instead of where(m, s, fill)
@@ -83,6 +88,9 @@ class Program:
     manual_softmax: bool = False
     lookalike: str = ""
     head_mask: str = ""  # "" | "ones" (a constant) | "data" (an argument): einsum(p, m[h])
+    post_mask: str = ""  # "" | "same" (the first mask step's operand) | "data" | "mirrored"
+    sinks: bool = False  # a sink logit per head, concatenated, dropped after the softmax
+    shift: bool = False  # s - stop_gradient(max(s)) before the softmax
     seed: int = 0
 
     @property
@@ -99,9 +107,17 @@ class Program:
             out.append(f"lookalike:{self.lookalike}")
         if self.head_mask:
             out.append(f"head_mask:{self.head_mask}")
+        if self.post_mask:
+            out.append(f"post_mask:{self.post_mask}")
+        if self.sinks:
+            out.append("sinks")
+        if self.shift:
+            out.append("shift")
         for s in self.steps:
             if s.kind == "scale":
                 out.append("scale")
+            elif s.kind == "softcap":
+                out.append("softcap")
             elif s.kind == "mask":
                 out += [f"mask:{s.mask}", f"fill:{s.fill}"]
                 if s.empty_row:
@@ -193,7 +209,16 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
     if p.head_mask == "data":
         extra.append(("head_mask", -1, len(args)))
         args.append(jnp.asarray(jnp.asarray(rng.random(p.hq) + 0.5, dt), ct))
+    if p.sinks:
+        extra.append(("sinks", -2, len(args)))
+        args.append(jnp.asarray(jnp.asarray(rng.standard_normal(p.hq) * 2.0, dt), ct))
+    first_mask = next((i for kind, _, i in extra if kind == "mask"), None)
+    if p.post_mask in ("data", "mirrored") or (p.post_mask == "same" and first_mask is None):
+        extra.append(("post_mask", -3, len(args)))
+        args.append(jnp.asarray(rng.random((p.b, 1, p.lq, p.lk)) < 0.8))
     operand = {at: i for _, at, i in extra}
+    if p.post_mask == "same" and first_mask is not None:
+        operand[-3] = first_mask
     group = p.hq // p.hkv
 
     def attention(q, k, v, *ops):
@@ -217,20 +242,34 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                 s = jnp.where(~m, fill, s) if step.mirrored else jnp.where(m, s, fill)
             elif step.kind == "bias":
                 s = s + ops[operand[at] - 3]
+            elif step.kind == "softcap":
+                c = _rounded(step.value, dt)
+                s = jnp.tanh(s / c) * c
             else:
                 tri = jnp.tril(jnp.ones((p.lq, p.lk), bool))
                 s = s + jnp.where(tri, 0.0, _rounded(step.value, dt)).astype(s.dtype)
+        if p.sinks:
+            sink = jnp.broadcast_to(ops[operand[-2] - 3].reshape(1, p.hq, 1, 1),
+                                    (p.b, p.hq, p.lq, 1))
+            s = jnp.concatenate([s, sink.astype(s.dtype)], axis=-1)
+        if p.shift:
+            s = s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
         if p.lookalike == "softmax_over_queries":
             w = jax.nn.softmax(s, axis=-2)
         elif p.lookalike == "softmax_where":
             w = jax.nn.softmax(s, axis=-1, where=jnp.ones(s.shape, bool).at[..., 0].set(False))
         elif p.lookalike == "multiplicative_mask":
-            w = jax.nn.softmax(s * jnp.tril(jnp.ones((p.lq, p.lk), s.dtype)), axis=-1)
+            w = jax.nn.softmax(s * jnp.tril(jnp.ones(s.shape[-2:], s.dtype)), axis=-1)
         elif p.manual_softmax:
             e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
             w = e / jnp.sum(e, axis=-1, keepdims=True)
         else:
             w = jax.nn.softmax(s, axis=-1)
+        if p.sinks:
+            w = w[..., :-1]
+        if p.post_mask:
+            m = ops[operand[-3] - 3]
+            w = jnp.where(~m, 0.0, w) if p.post_mask == "mirrored" else jnp.where(m, w, 0.0)
         if p.head_mask:
             m = ops[operand[-1] - 3] if p.head_mask == "data" else jnp.ones(p.hq, w.dtype)
             w = jnp.einsum("...hqk,h->...hqk", w, m)
@@ -244,7 +283,8 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             return out.reshape(p.b, p.hq, p.lq, p.d).transpose(0, 2, 1, 3)
         return jnp.einsum("bhqk,bkhd->bqhd", w, v)
 
-    diff = tuple([0, 1, 2] + [i for kind, _, i in extra if kind in ("bias", "head_mask")])
+    diff = tuple([0, 1, 2] + [i for kind, _, i in extra
+                              if kind in ("bias", "head_mask", "sinks")])
     return attention, tuple(args), diff
 
 
@@ -261,8 +301,11 @@ def programs(draw) -> Program:
     lk = draw(st.sampled_from((1, 7, 16, 40)))
     steps = []
     for _ in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(("scale", "scale", "mask", "mask", "bias", "causal_bias")))
-        if kind == "scale":
+        kind = draw(st.sampled_from(("scale", "scale", "mask", "mask", "bias", "causal_bias",
+                                     "softcap")))
+        if kind == "softcap":
+            steps.append(Step("softcap", value=draw(st.sampled_from((1.0, 5.0, 30.0)))))
+        elif kind == "scale":
             steps.append(Step("scale", op=draw(st.sampled_from(("mul", "div"))),
                               value=10.0 ** draw(st.sampled_from((-6, -4, -3, -1, 0, 1, 3)))
                               * draw(st.sampled_from((1.0, 0.5, 0.125)))))
@@ -287,6 +330,9 @@ def programs(draw) -> Program:
         manual_softmax=draw(st.booleans()),
         lookalike=draw(st.sampled_from(("",) * 8 + LOOKALIKES)),
         head_mask=draw(st.sampled_from(("",) * 6 + ("ones", "data"))),
+        post_mask=draw(st.sampled_from(("",) * 5 + ("same", "data", "mirrored"))),
+        sinks=draw(st.sampled_from((False,) * 3 + (True,))),
+        shift=draw(st.sampled_from((False,) * 3 + (True,))),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -339,7 +385,8 @@ def _terms(p: Program, args, count: int) -> list[float]:
     biases = [do * v * abs(_after(p.steps, at)) for at, step in enumerate(p.steps)
               if step.kind == "bias"]
     head_mask = [do * v] if p.head_mask == "data" else []
-    return ([v, do * v * c * k, do * v * c * q, do] + biases + head_mask)[:count]
+    sinks = [do * v] if p.sinks else []
+    return ([v, do * v * c * k, do * v * c * q, do] + biases + head_mask + sinks)[:count]
 
 
 def _worst(got, want, terms) -> tuple[float, int]:

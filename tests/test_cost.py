@@ -112,7 +112,7 @@ def test_verdict_tpu_where_xla_fuses_natively():
 def test_verdict_tpu_not_fused_in_blhd():
     v = verdict(site(2048, dim=128, dtype="bfloat16"), "tpu-v5e")
     assert v.native_fused is False
-    assert v.pays and v.kernel_name == "pallas_tpu"
+    assert v.pays and v.kernel_name == "splash_tpu"
 
 
 def test_verdict_native_does_not_fit():

@@ -245,8 +245,8 @@ needs_tokamax = pytest.mark.skipif(not tokamax_kernel.installed(),
 @pytest.fixture
 def tokamax_preferred(monkeypatch):
     """The registry's own preference where tokamax is installed (conftest pins pallas_tpu)."""
-    monkeypatch.setitem(registry.PRIORITY, "tpu", ("tokamax_tpu", "pallas_tpu", "chunked",
-                                                   "reference"))
+    monkeypatch.setitem(registry.PRIORITY, "tpu", ("tokamax_tpu", "splash_tpu", "pallas_tpu",
+                                                   "chunked", "reference"))
 
 
 @needs_tokamax
@@ -260,7 +260,8 @@ def test_tokamax_is_preferred_on_tpu_where_it_takes_the_site(tokamax_preferred):
     kernel, why = kernels.select(site, "tpu", Features(bias=True))
     assert kernel.name == "pallas_tpu"
     assert why == ("pallas_tpu for tpu (tokamax_tpu skipped: additive bias unsupported "
-                   "(tokamax mosaic_tpu takes none))")
+                   "(tokamax mosaic_tpu takes none); splash_tpu skipped: additive bias "
+                   "unsupported (splash takes none; pallas_tpu does))")
 
 
 @needs_tokamax

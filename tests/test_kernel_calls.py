@@ -64,12 +64,12 @@ def test_hlotool_rewrite_on_cpu_is_the_chunked_kernel_at_its_site():
     assert call.describe() == "already a kernel: chunked (hlotool)"
 
 
-def test_hlotool_rewrite_on_tpu_is_pallas_tpu_with_the_kernels_own_shapes():
+def test_hlotool_rewrite_on_tpu_is_splash_tpu_with_the_kernels_own_shapes():
     fast = hlotool.flash_jit(causal_attention)
     (call,) = find_kernel_calls(_hlo(fast, BLHD, BLHD, BLHD, target="tpu-v5e"))
-    assert (call.library, call.kernel) == ("hlotool", "pallas_tpu")
-    # q, k, v as the Mosaic kernel takes them: [B, H, L, D].
-    assert (call.q_shape, call.k_shape, call.v_shape) == ((1, 2, 1024, 64),) * 3
+    assert (call.library, call.kernel) == ("hlotool", "splash_tpu")
+    # q, k, v as the Mosaic kernel takes them: splash runs per batch element, [H, L, D].
+    assert (call.q_shape, call.k_shape, call.v_shape) == ((2, 1024, 64),) * 3
     assert call.evidence.startswith(f"op_name scope hlotool/site1:test_kernel_calls.py:"
                                     f"{SITE_LINE}/")
 
@@ -253,7 +253,7 @@ def test_inspect_reports_hlotools_own_kernel_per_target(tmp_path):
     doc = json.loads(result.stdout)
     assert doc["version"] == 1 and doc["sites"] == []  # no naive attention is left
     assert [(k["target"], k["kernel"], k["library"]) for k in doc["kernels"]] == [
-        ("cpu", "chunked", "hlotool"), ("tpu-v5e", "pallas_tpu", "hlotool")]
+        ("cpu", "chunked", "hlotool"), ("tpu-v5e", "splash_tpu", "hlotool")]
     assert all(k["source"] == f"{path}:5" and k["already_a_kernel"] for k in doc["kernels"])
 
     table = CliRunner(env={"COLUMNS": "250"}).invoke(cli, ["inspect", path]).stdout

@@ -19,6 +19,8 @@ from hlotool.kernels import registry
 from hlotool.kernels.base import flash_cost, naive_cost, visible_fraction
 from hlotool.kernels.pallas_tpu import UPSTREAM as TPU_UPSTREAM
 from hlotool.kernels.pallas_tpu import PallasTpuFlash
+from hlotool.kernels.splash_tpu import UPSTREAM as SPLASH_UPSTREAM
+from hlotool.kernels.splash_tpu import SplashTpu
 from hlotool.kernels.tokamax import installed as tokamax_installed
 from hlotool.site import AttentionSite
 
@@ -80,7 +82,7 @@ def test_unsupported_call_names_kernel_and_reason():
 
 
 def test_unknown_kernel_name():
-    with pytest.raises(kernels.KernelError, match="no kernel named 'flash3'; known: pallas_tpu"):
+    with pytest.raises(kernels.KernelError, match="no kernel named 'flash3'; known: splash_tpu, pallas_tpu"):
         kernels.get("flash3")
 
 
@@ -151,12 +153,23 @@ def test_pallas_tpu_cost_counts_repeated_gqa_heads():
 
 
 def test_registry_lists_and_selects():
-    assert kernels.names() == ["pallas_tpu", "pallas_gpu", "chunked", "reference",
+    assert kernels.names() == ["splash_tpu", "pallas_tpu", "pallas_gpu", "chunked", "reference",
                                "tokamax_tpu", "tokamax_gpu"]
-    assert kernels.available() == ["pallas_tpu", "pallas_gpu", "chunked", "reference"] + (
-        ["tokamax_tpu"] if tokamax_installed() else [])
+    assert kernels.available() == ["splash_tpu", "pallas_tpu", "pallas_gpu", "chunked",
+                                   "reference"] + (["tokamax_tpu"] if tokamax_installed() else [])
     k, why = kernels.select(site(), "tpu")
-    assert (k.name, why) == ("pallas_tpu", "pallas_tpu for tpu")
+    assert (k.name, why) == ("splash_tpu", "splash_tpu for tpu")
+    k, why = kernels.select(site(mask="additive"), "tpu")
+    assert (k.name, why) == ("pallas_tpu", "pallas_tpu for tpu (splash_tpu skipped: additive "
+                                           "bias unsupported (splash takes none; pallas_tpu "
+                                           "does))")
+    k, why = kernels.select(site(softcap=30.0), "tpu")
+    assert (k.name, why) == ("splash_tpu", "splash_tpu for tpu")
+    k, why = kernels.select(site(post_mask=True), "tpu")
+    assert (k.name, why) == ("chunked", "chunked for tpu (splash_tpu skipped: a mask applied "
+                                        "after the softmax unsupported (splash_tpu has none); "
+                                        "pallas_tpu skipped: a mask applied after the softmax "
+                                        "unsupported (pallas_tpu has none))")
     k, why = kernels.select(site(), "cpu")
     assert k.name == "chunked"
     k, why = kernels.select(site(mask="additive"), "cuda")
@@ -167,9 +180,11 @@ def test_registry_lists_and_selects():
 
 @pytest.fixture
 def tpu_upstream_missing(monkeypatch):
-    """The installed jax without Pallas' TPU flash attention module."""
+    """The installed jax without Pallas' TPU attention modules (flash and splash)."""
     monkeypatch.setitem(sys.modules, TPU_UPSTREAM, None)
+    monkeypatch.setitem(sys.modules, SPLASH_UPSTREAM, None)
     monkeypatch.setitem(registry._KERNELS, "pallas_tpu", PallasTpuFlash())
+    monkeypatch.setitem(registry._KERNELS, "splash_tpu", SplashTpu())
 
 
 def test_missing_upstream_reports_unavailable_and_falls_back(tpu_upstream_missing):
@@ -177,10 +192,12 @@ def test_missing_upstream_reports_unavailable_and_falls_back(tpu_upstream_missin
         tpu = kernels.get("pallas_tpu")  # asked for by name: it says so
     assert tpu.unavailable_reason.startswith(f"{JAX}: cannot import {TPU_UPSTREAM}")
     assert "pallas_tpu" not in kernels.available()
+    assert "splash_tpu" not in kernels.available()
     k, why = kernels.select(site(), "tpu")
     assert k.name == "chunked"
-    assert why.startswith(f"chunked for tpu (pallas_tpu skipped: pallas_tpu unavailable: "
-                          f"{JAX}: cannot import")
+    assert why.startswith(f"chunked for tpu (splash_tpu skipped: splash_tpu unavailable: "
+                          f"{JAX}: cannot import {SPLASH_UPSTREAM}")
+    assert f"; pallas_tpu skipped: pallas_tpu unavailable: {JAX}: cannot import" in why
     x = sds(1, 256, 2, 64)
     f = jax.jit(lambda q, k, v: kernels.attention(q, k, v, scale=0.125, causal=True))
     assert "tpu_custom_call" not in export.export(f, platforms=["tpu"])(x, x, x).mlir_module()

@@ -30,17 +30,33 @@ def values(p, v):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def post_softmax_where(q, k, v, m):
-    return values(jnp.where(m, jax.nn.softmax(scores(q, k)), 0.0), v)
+def post_softmax_where_half(q, k, v, m):
+    return values(jnp.where(m, jax.nn.softmax(scores(q, k)), 0.5), v)
 
 
-def soft_capped(q, k, v, m):
-    return values(jax.nn.softmax(jnp.tanh(scores(q, k) / 50.0) * 50.0), v)
+def floor_capped(q, k, v, m):
+    return values(jax.nn.softmax(jnp.floor(scores(q, k) / 50.0) * 50.0), v)
 
 
-def sinks(q, k, v, m):
+def two_sink_columns(q, k, v, m):
+    s = jnp.concatenate([scores(q, k), jnp.zeros((B, H, L, 2))], axis=-1)
+    return values(jax.nn.softmax(s)[..., :-2], v)
+
+
+def sink_first(q, k, v, m):
     s = jnp.concatenate([scores(q, k), jnp.zeros((B, H, L, 1))], axis=-1)
+    return values(jax.nn.softmax(s)[..., 1:], v)
+
+
+def mask_after_sinks(q, k, v, m):
+    s = jnp.concatenate([scores(q, k), jnp.zeros((B, H, L, 1))], axis=-1)
+    s = jnp.where(jnp.concatenate([m, jnp.ones((B, 1, L, 1), bool)], axis=-1), s, -1e9)
     return values(jax.nn.softmax(s)[..., :-1], v)
+
+
+def shift_by_a_column_max(q, k, v, m):
+    s = scores(q, k)
+    return values(jax.nn.softmax(s - jax.lax.stop_gradient(s.max(-2, keepdims=True))), v)
 
 
 def head_mask(q, k, v, m):
@@ -66,10 +82,14 @@ def data_fill(q, k, v, m):
 
 
 CASES = [
-    (post_softmax_where, "a where(mask, p, 0) after the softmax"),
-    (soft_capped, "tanh between the scores and the softmax (logit soft-capping)"),
-    (sinks, "a concatenate between the scores and the softmax (an extra logit column: "
-            "attention sinks?)"),
+    (post_softmax_where_half, "a where() after the softmax that does not zero what it drops"),
+    (floor_capped, "a floor between the scores and the softmax"),
+    (two_sink_columns, "a concatenate between the scores and the softmax that adds other "
+                       "than one logit column along the keys"),
+    (sink_first, "the slice after the softmax keeps other than the keys before the sink "
+                 "column"),
+    (mask_after_sinks, "a mask step after the sink column is concatenated"),
+    (shift_by_a_column_max, "the logits are shifted by a max over other axes than the keys"),
     (softmax_over_queries, "the second dot does not contract the key axis the softmax runs "
                            "over"),
     (scaled_probabilities, "a scale after the softmax (the probabilities no longer sum to 1)"),
@@ -127,17 +147,17 @@ def test_inspect_why_not_lists_them_in_the_table_and_json(tmp_path):
         @jax.jit
         def capped(q, k, v):
             s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
-            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.tanh(s / 30) * 30), v)
+            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.floor(s / 30) * 30), v)
         capped(x, x, x)
     """))
     result = CliRunner().invoke(cli, ["inspect", str(script), "--why-not"])
     assert result.exit_code == 0, result.output
     assert "1 near miss (almost attention, not detected)" in result.output
-    assert "tanh between the scores and the softmax" in result.output
+    assert "a floor between the scores and the softmax" in result.output
     result = CliRunner().invoke(cli, ["inspect", str(script), "--why-not", "--json"])
     doc = json.loads(result.stdout)
     assert doc["sites"] == [] and doc["near_misses"] == [{
         "function": "capped", "source": f"{script}:7",
-        "reason": "tanh between the scores and the softmax (logit soft-capping)"}]
+        "reason": "a floor between the scores and the softmax"}]
     plain = CliRunner().invoke(cli, ["inspect", str(script), "--json"])
     assert "near_misses" not in json.loads(plain.stdout)

@@ -1,6 +1,6 @@
 """Profilers see the kernel and its site: every op of a rewritten site carries
 `hlotool/siteN:FILE:LINE` and its kernel's name in its HLO `op_name` metadata — in the lowered
-and the optimized program, on the host CPU (chunked) and on TPU (pallas_tpu, compiled
+and the optimized program, on the host CPU (chunked) and on TPU (splash_tpu, compiled
 deviceless and exported with jax.export). XProf, TensorBoard and `hlotool profile` read
 exactly these names."""
 
@@ -112,7 +112,7 @@ def _tpu_custom_calls(hlo_text: str) -> list:
             if i.opcode == "custom-call" and i.custom_call_target == "tpu_custom_call"]
 
 
-def test_tpu_lowered_hlo_names_the_site_and_pallas_tpu():
+def test_tpu_lowered_hlo_names_the_site_and_splash_tpu():
     text = _tpu_compiled().as_text(dialect="hlo", debug_info=True)
     calls, inside = _called_op_names(text, SCOPE)
     assert len(calls) == 1 and calls[0].endswith(f"/{SCOPE}/jit(hlotool_flash)"), calls
@@ -120,20 +120,20 @@ def test_tpu_lowered_hlo_names_the_site_and_pallas_tpu():
     (full,) = [n for (_, name), n in qualified_op_names(parse_module(text)).items()
                if name == kernel.name]
     assert full in inside
-    assert re.search(rf"/{re.escape(SCOPE)}/jit\(hlotool_flash\)/(.*/)?pallas_tpu/"
+    assert re.search(rf"/{re.escape(SCOPE)}/jit\(hlotool_flash\)/(.*/)?splash_tpu/"
                      r"(.*/)?pallas_call$", full), full
 
 
-def test_tpu_optimized_hlo_names_the_site_and_pallas_tpu():
+def test_tpu_optimized_hlo_names_the_site_and_splash_tpu():
     text = _tpu_compiled().compile().as_text()
     (kernel,) = _tpu_custom_calls(text)
     op_name = kernel.metadata["op_name"]
     # The full path a TPU profile shows for the Mosaic kernel's op.
     assert re.fullmatch(rf"jit\(causal_attention\)/.*{re.escape(SCOPE)}/jit\(hlotool_flash\)/"
-                        r"(.*/)?pallas_tpu/(.*/)?pallas_call", op_name), op_name
+                        r"(.*/)?splash_tpu/(.*/)?pallas_call", op_name), op_name
 
 
-def test_tpu_export_locations_name_the_site_and_pallas_tpu():
+def test_tpu_export_locations_name_the_site_and_splash_tpu():
     exported = jax.export.export(hlotool.flash_jit(causal_attention), platforms=["tpu"])(
         *_specs())
     mlir = exported.mlir_module()
@@ -143,7 +143,7 @@ def test_tpu_export_locations_name_the_site_and_pallas_tpu():
     # location names of every call on the chain from main down to the kernel's function.
     names = _call_chain_names(mlir, call)
     assert any(n.endswith(f"{SCOPE}/jit(hlotool_flash)") for n in names), names
-    assert any(re.search(r"(^|/)pallas_tpu(/|$)", n) for n in names), names
+    assert any(re.search(r"(^|/)splash_tpu(/|$)", n) for n in names), names
 
 
 def _call_chain_names(mlir: str, line_no: int) -> list[str]:

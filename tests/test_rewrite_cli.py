@@ -51,7 +51,7 @@ def test_rewrite_prints_each_site_decision(tmp_path):
     assert lines[1].startswith("  [0] ") and lines[1].endswith(
         "model.py:6 (top level) q[512, 16] k[512, 16] float32 mask=none")  # the user's line
     assert [line.split(" — ")[0] for line in lines[2:5]] == [
-        "      cpu: chunked", "      tpu: pallas_tpu", "      cuda: pallas_gpu"]
+        "      cpu: chunked", "      tpu: splash_tpu", "      cuda: pallas_gpu"]
     assert lines[2].endswith(" — kernel pays (×33.0 less HBM traffic, roofline ×15.9 faster)")
     assert lines[5] == "probs_too: 1 site, 0 rewritten"
     assert lines[7].startswith("      cpu, tpu, cuda: native — intermediate values of the "

@@ -77,7 +77,7 @@ def test_deviceless_tpu_v5e_2x2_compiles_with_kernel_per_shard():
     # One per platform branch running a kernel: cpu, tpu and cuda.
     plain = jax.ShapeDtypeStruct(specs[0].shape, specs[0].dtype)
     (site,) = hlotool.explain(causal, plain, plain, plain).sites
-    assert site.kernels == {"cpu": "chunked", "tpu": "pallas_tpu", "cuda": "pallas_gpu"}
+    assert site.kernels == {"cpu": "chunked", "tpu": "splash_tpu", "cuda": "pallas_gpu"}
     assert str(traced.jaxpr).count("shard_map[") == 3
     lowered = traced.lower()
     assert lowered.as_text().count("stablehlo.custom_call @tpu_custom_call") == 1

@@ -191,4 +191,9 @@ def decide(site: AttentionSite, platform: str, kernel: str = "auto") -> Choice:
     if v.pays and not checked and hw.platform == "tpu" and hw.compile_target is not None:
         reason += (f", XLA:TPU's own fusion not checked off-TPU (run "
                    f"`hlotool cost SCRIPT --target {hw.name}`)")
+    if v.pays and v.kernel_name is not None:
+        _, why = kernels.select(site, hw.platform if hw.platform in ("tpu", "cuda")
+                                else "default")
+        if "skipped" in why:  # the kernels passed over, each with its reason
+            reason += f"; {why}"
     return Choice(v.kernel_name if v.pays else None, reason)

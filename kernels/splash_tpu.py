@@ -1,0 +1,134 @@
+"""Splash attention on TPU: an adapter over `jax.experimental.pallas.ops.tpu.splash_attention`.
+
+Splash takes one batch element at a time as q [Hq, Lq, D], k [Hkv, Lk, D], v [Hkv, Lk, Dv]
+with grouped K/V heads natively, a static mask object per head (`CausalMask`, ...) whose
+fully masked blocks it skips, segment ids, logit soft-capping and per-head sinks; no bias, no
+scale (q comes pre-scaled). So masks reach it in kernel terms, never as a dense operand:
+  - causal: `CausalMask` (top-left aligned, as the interface), blocks above it skipped;
+  - key padding (a boolean mask varying along batch and keys only) and kv_lengths: segment
+    ids, q id 1 and kv id 1 where the key is kept, 0 where it is not;
+  - lengths: padded up to a multiple of 128, padded keys masked with those segment ids; blocks
+    of 512/256/128 chosen per padded length;
+  - GQA/MQA: K/V heads stay as they are (no repeat);
+  - batch: `vmap` of the per-example kernel.
+It refuses an additive bias and masks that vary along queries or heads (pallas_tpu takes
+those as a dense bias). Hidden keys get splash's mask value, not the call's `fill`, so a call
+that hides keys runs here only where `base.hiding_is_exact` shows that changes nothing
+representable (else in the chunked kernel), and rows with no visible key are set to what
+`fill` gives them after the kernel. Gradients (dq, dk, dv, dsinks) come from upstream's custom
+VJP.
+
+Off a TPU it runs in Pallas' interpret mode (`interpret=True`, what the tests use); staged
+for a TPU it is traced through `jaxcompat.for_tpu` like the flash kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hlotool import jaxcompat
+from hlotool.kernels._upstream import PaddedTpuKernel, block_for, padded_length, probe
+from hlotool.kernels.base import (
+    Call,
+    Features,
+    KernelCost,
+    Support,
+    flash_cost,
+    soft_fill_refusal,
+)
+from hlotool.site import AttentionSite
+
+UPSTREAM = "jax.experimental.pallas.ops.tpu.splash_attention"
+# Splash's DEFAULT_MASK_VALUE: the logit of a key it hides.
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
+
+
+class SplashTpu(PaddedTpuKernel):
+    """JAX's Pallas TPU splash attention behind the common interface.
+
+    interpret: run the kernel in Pallas' interpret mode (any platform, slowly): for tests.
+    """
+
+    name = "splash_tpu"
+    platforms = ("tpu",)
+    hidden_logit = _MASKED
+    extras = frozenset({"softcap", "sinks"})
+
+    def __init__(self, interpret: bool = False) -> None:
+        self.interpret = interpret
+        self._probe = probe(
+            UPSTREAM, "make_splash_mha",
+            ("mask", "block_sizes", "attn_logits_soft_cap", "head_shards", "q_seq_shards",
+             "interpret"),
+            ("BlockSizes", "CausalMask", "FullMask", "MultiHeadMask", "SegmentIds"),
+        )
+
+    def _check(self, site: AttentionSite, features: Features) -> Support:
+        if site.dtype not in ("float32", "bfloat16"):
+            return Support.no(f"dtype {site.dtype} unsupported (splash takes float32, "
+                              "bfloat16)")
+        if features.bias:
+            return Support.no("additive bias unsupported (splash takes none; pallas_tpu "
+                              "does)")
+        if features.mask and not set(site.mask_axes or "") <= {"B", "K"}:
+            return Support.no(f"a boolean mask varying along {site.mask_axes} (splash takes "
+                              "causal masks and key padding; pallas_tpu takes any mask)")
+        return soft_fill_refusal(site, features)
+
+    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
+        bq, bk = block_for(padded_length(site.q_len)), block_for(padded_length(site.kv_len))
+        # Segment ids (int32, one per query and key) are all it reads beside q, k, v.
+        ids = 4 * site.batch * (site.q_len + site.kv_len) * (2 if backward else 1)
+        return flash_cost(site, block_q=bq, block_k=bk, backward=backward) + KernelCost(
+            0, 0, ids, 0)
+
+    def _attend_upstream(self, call: Call) -> jax.Array:
+        sa = self._probe.module
+        b, lq, hq, d = call.q.shape
+        lk, dv = call.k.shape[1], call.v.shape[3]
+        lq_p, lk_p = padded_length(lq), padded_length(lk)
+
+        def prep(x, length):  # [B, L, H, D] -> [B, H, L_padded, D]
+            x = jnp.swapaxes(x, 1, 2)
+            return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+
+        q = prep(call.q * jnp.asarray(call.scale, call.q.dtype), lq_p)
+        k, v = prep(call.k, lk_p), prep(call.v, lk_p)
+
+        keep = jnp.broadcast_to(np.arange(lk_p) < lk, (b, lk_p))
+        if call.kv_lengths is not None:
+            keep = keep & (np.arange(lk_p)[None, :] < call.kv_lengths[:, None])
+        if call.mask is not None:  # [B|1, 1, 1, Lk]: `_check` admits key padding only
+            keys = jnp.pad(call.mask[:, 0, 0, :], ((0, 0), (0, lk_p - lk)))
+            keep = keep & keys
+        segment_ids = None
+        if call.kv_lengths is not None or call.mask is not None or lk_p != lk:
+            segment_ids = sa.SegmentIds(q=jnp.ones((b, lq_p), jnp.int32),
+                                        kv=keep.astype(jnp.int32))
+
+        sinks = None
+        if call.sinks is not None:  # [B|1, Hq|1, 1, 1]: detection keeps them per head
+            sinks = jnp.broadcast_to(call.sinks[:, :, 0, 0], (b, hq)).astype(jnp.float32)
+
+        bq, bk = block_for(lq_p), block_for(lk_p)
+        blocks = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
+                               block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
+                               block_kv_dq=bk)
+        shape = (lq_p, lk_p)
+        per_head = sa.CausalMask(shape) if call.causal else sa.FullMask(shape)
+        kernel = sa.make_splash_mha(
+            sa.MultiHeadMask([per_head] * hq), block_sizes=blocks,
+            attn_logits_soft_cap=call.softcap, head_shards=1, q_seq_shards=1,
+            interpret=self.interpret)
+
+        def one(q, k, v, segment_ids, sinks):
+            return kernel(q, k, v, segment_ids=segment_ids, sinks=sinks)
+
+        def splash_tpu(q, k, v, segment_ids, sinks):
+            return jax.vmap(one)(q, k, v, segment_ids, sinks)
+
+        attend = splash_tpu if self.interpret else jaxcompat.for_tpu(splash_tpu)
+        out = attend(q, k, v, segment_ids, sinks)
+        return jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)  # [B, Lq, Hq, Dv]
