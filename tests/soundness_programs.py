@@ -4,7 +4,8 @@ a rewrite keeps each program's meaning.
 A `Program` is softmax(chain(Q·Kᵀ))·V written the plain way, where the chain is a random
 sequence of steps: scale (mul/div by 1e-6 … 1e3), masks (`where(m, s, fill)` or its mirror,
 fill -inf / finfo.min / -1e9 / -1e4 / -5; causal top-left or bottom-right, sliding window,
-random boolean, key padding from lengths, rows with no visible key), additive biases of every
+random boolean, key padding from lengths, rows with no visible key, and `tril & padding`
+built in the program as gemma and Hugging Face combine them), additive biases of every
 broadcast shape (some with -inf / finfo.min entries), additive causal constants and tanh
 soft-capping (`tanh(s / c) * c`); in f32, bf16 or f16, BLHD / BHLD / merged-heads layouts, GQA
 by repeat, Lq = 1 and Lk = 1 included. A sink logit per head may be concatenated as one more
@@ -54,7 +55,8 @@ from hlotool.kernels import get
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 FILLS = ("-inf", "finfo.min", "-1e9", "-1e4", "-5")
-MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding")
+MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding",
+         "causal_and_padding")
 BIAS_SHAPES = ("k", "qk", "b11k", "1hqk", "bhqk")
 LOOKALIKES = ("softmax_over_queries", "softmax_where", "multiplicative_mask",
               "scale_after_softmax", "squared_softmax")
@@ -156,12 +158,14 @@ def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray:
         m = (j <= i + (p.lk - p.lq)) & (j > i + (p.lk - p.lq) - 3)
     elif step.mask == "boolean":
         m = rng.random((p.b, 1, p.lq, p.lk)) < 0.7
-    else:  # key padding: lengths in [1, Lk], or 0 for an empty batch row
+    else:  # key padding (alone, or ANDed with tril in the program): lengths in [1, Lk], or 0
         lengths = rng.integers(1, p.lk + 1, size=p.b)
         if step.empty_row:
             lengths[0] = 0
         m = (j < lengths[:, None, None, None])
     m = np.broadcast_to(m, (p.b, 1, p.lq, p.lk)).copy()
+    if step.mask == "causal_and_padding":
+        return m[:, :, :1, :]  # [B, 1, 1, Lk]: the program ANDs it with its own tril
     if step.empty_row and step.mask != "key_padding":
         m[0, 0, p.lq // 2] = False
     return m
@@ -238,6 +242,8 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                 s = s * c if step.op == "mul" else s / c
             elif step.kind == "mask":
                 m = ops[operand[at] - 3]
+                if step.mask == "causal_and_padding":
+                    m = jnp.tril(jnp.ones((p.lq, p.lk), bool)) & m
                 fill = _fill(step.fill, dt)
                 s = jnp.where(~m, fill, s) if step.mirrored else jnp.where(m, s, fill)
             elif step.kind == "bias":
@@ -315,8 +321,8 @@ def programs(draw) -> Program:
                 mask = "causal"
             steps.append(Step("mask", mask=mask, fill=draw(st.sampled_from(FILLS)),
                               mirrored=draw(st.booleans()),
-                              empty_row=draw(st.booleans()) and mask in ("boolean",
-                                                                         "key_padding")))
+                              empty_row=draw(st.booleans()) and mask in (
+                                  "boolean", "key_padding", "causal_and_padding")))
         elif kind == "bias":
             steps.append(Step("bias", shape=draw(st.sampled_from(BIAS_SHAPES)),
                               extreme=draw(st.sampled_from(("", "", "-inf", "finfo.min")))))

@@ -289,3 +289,24 @@ def test_splash_matches_the_reference_with_gqa_and_unaligned_lengths(options):
     for got, want in zip((o_splash, *g_splash), (o_ref, *g_ref)):
         scale = max(float(jnp.max(jnp.abs(want))), 1e-30)
         assert float(jnp.max(jnp.abs(got - want))) / scale < 1e-5
+
+
+@pytest.mark.parametrize("d", [80, 192])
+def test_splash_compiles_deviceless_for_tpu_at_head_dims_flash_would_pad(d):
+    """Splash takes the head dim as it is (flash pads 80 to 128 and 192 to 256)."""
+    from hlotool.targets import get_target
+
+    sharding = get_target("tpu-v5e").sharding()
+    spec = jax.ShapeDtypeStruct((1, LONG, 8, d), jnp.bfloat16, sharding=sharding)
+
+    def causal(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * d ** -0.5
+        s = jnp.where(jnp.tril(jnp.ones((LONG, LONG), bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    fast = hlotool.flash_jit(causal, in_shardings=sharding, out_shardings=sharding)
+    text = fast.trace(spec, spec, spec).lower().compile().as_text()
+    (call,) = [ln for ln in text.splitlines()
+               if 'custom_call_target="tpu_custom_call"' in ln]
+    # Its output, q, k and v all keep [H, L, D] with D unpadded.
+    assert len(re.findall(rf"bf16\[8,{LONG},{d}\]", call)) >= 4, call[:300]
