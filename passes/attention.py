@@ -798,20 +798,25 @@ class _Roles:
 
 def _conjuncts(link: Link, labels: axes.Labels, roles: _Roles, position: dict[int, int],
                scores: Node) -> list[MaskTerm] | None:
-    """`where(a & b & ..., s, fill)` as one term per factor, when a factor is a causal mask
+    """`where(a & b & ..., s, fill)` (or `where(~(a & b), fill, s)`) as one term per factor,
+    when a factor is a causal mask
     read from its structure (`jnp.tril(...) & padding`, gemma's and HF's masks): the kernel
     then skips blocks for the causal factor and reads the others as they are, small (a key
     padding mask stays [B, 1, 1, Lk]). None when the mask is no such AND."""
-    if link.kind != "mask" or link.chain_input != 1:
+    if link.kind != "mask":
         return None
     node, (pred, fill_node) = link.node, link.sides
     fill = uniform_value(fill_node)
-    while pred.op in ("convert", "copy", "broadcast", "reshape"):
+    keep = link.chain_input == 1  # where(~(a & b), fill, s) keeps where a & b
+    while pred.op in ("convert", "copy", "broadcast", "reshape", "not"):
+        if pred.op == "not":
+            keep, pred = not keep, pred.inputs[0]
+            continue
         step = axes.backward(pred, labels) if pred.op != "convert" else (labels, [])
         if step is None:
             return None
         labels, pred = step[0], pred.inputs[0]
-    if pred.op != "and":
+    if not keep or pred.op != "and":
         return None
 
     def fits(n: Node) -> bool:  # jaxpr's `and` broadcasts unit axes of equal-rank operands
