@@ -202,9 +202,13 @@ class Call:
             kind = "boolean"
         if self.bias is not None:
             kind = "additive"
+        # The axes the operands vary along, as far as their shapes say ([B, Hq, Lq, Lk]).
+        operands = [x.shape for x in (self.mask, self.bias) if x is not None]
+        axes = "".join(c for a, c in enumerate("BHQK") if any(s[a] != 1 for s in operands))
         return AttentionSite(
             batch=b, q_len=lq, kv_len=lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
             v_head_dim=dv, dtype=str(self.q.dtype), scale=self.scale, mask=kind,
+            mask_axes=axes if operands else None,
             q_shape=tuple(self.q.shape), k_shape=tuple(self.k.shape),
             v_shape=tuple(self.v.shape), layout="BLHD",
             mask_fill=None if kind == "none" else self.fill, softcap=self.softcap,

@@ -310,3 +310,15 @@ def test_splash_compiles_deviceless_for_tpu_at_head_dims_flash_would_pad(d):
                if 'custom_call_target="tpu_custom_call"' in ln]
     # Its output, q, k and v all keep [H, L, D] with D unpadded.
     assert len(re.findall(rf"bf16\[8,{LONG},{d}\]", call)) >= 4, call[:300]
+
+
+def test_splash_called_directly_refuses_a_mask_over_queries_by_its_shape():
+    q = jnp.ones((1, 128, 2, 64))
+    per_query = jnp.tril(jnp.ones((128, 128), bool))[None, None]
+    with pytest.raises(hlotool.kernels.KernelError,
+                       match="kernel splash_tpu: a boolean mask varying along QK"):
+        SplashTpu(interpret=True)(q, q, q, scale=0.125, mask=per_query)
+    keys = jnp.arange(128)[None, None, None, :] < 100
+    out = SplashTpu(interpret=True)(q, q, q, scale=0.125, mask=keys)
+    want = get("reference")(q, q, q, scale=0.125, mask=keys)
+    assert float(jnp.max(jnp.abs(out - want))) < 1e-5
