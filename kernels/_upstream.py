@@ -8,6 +8,7 @@ it) rather than shown to the user on every import of hlotool.kernels.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import importlib
 import importlib.metadata
@@ -121,6 +122,6 @@ class PaddedTpuKernel(UpstreamKernel):
     def _attend(self, call: Call) -> jax.Array:
         return with_hidden_keys(call, self._attend_upstream)
 
+    @abc.abstractmethod
     def _attend_upstream(self, call: Call) -> jax.Array:
         """[B, Lq, Hq, Dv] from upstream, for a call whose hidden keys it may see as it likes."""
-        raise NotImplementedError

@@ -103,19 +103,16 @@ def lower(site: JaxprSite) -> KernelForm:
     by_node = {(id(t.at), id(t.operand)): m for t, m in zip(site.match.masks, site.masks)}
     biases = tuple((by_node[id(t.at), id(t.operand)], mult) for t, mult in chain.biases)
     masks = tuple(by_node[id(t.at), id(t.operand)] for t in chain.masks if t.kind == "boolean")
-    beside = [(t.kind, m) for t, m in zip(site.match.masks, site.masks)
-              if t.kind in ("post", "sinks")]
-    post_masks = tuple(m for kind, m in beside if kind == "post")
-    sinks = next((m for kind, m in beside if kind == "sinks"), None)
-    for m in (*(b for b, _ in biases), *masks, *site.multipliers, *post_masks,
-              *(() if sinks is None else (sinks,))):
+    form = KernelForm(scale=site.scale, causal=chain.causal, fill=chain.fill, biases=biases,
+                      masks=masks, nan_rows=bool(biases or masks) and chain.fill == -math.inf,
+                      multipliers=site.multipliers, softcap=chain.softcap,
+                      post_masks=tuple(m for m in site.masks if m.kind == "post"),
+                      sinks=next((m for m in site.masks if m.kind == "sinks"), None))
+    for m in (*(b for b, _ in form.biases), *form.operand_masks):
         if m.var is None:
             raise RewriteError(f"the {m.kind} operand is computed inside a call the site only "
                                "partly covers")
-    nan_rows = bool(biases or masks) and chain.fill == -math.inf
-    return KernelForm(scale=site.scale, causal=chain.causal, fill=chain.fill, biases=biases,
-                      masks=masks, nan_rows=nan_rows, multipliers=site.multipliers,
-                      softcap=chain.softcap, post_masks=post_masks, sinks=sinks)
+    return form
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from hlotool.cost.model import Figures, analytic, kernel_for
+from hlotool.cost.model import Figures, analytic, kernel_choice, kernel_for
 from hlotool.cost.xla import xla_fuses_natively
 from hlotool.hardware import Hardware, get_hardware
 from hlotool import jaxcompat, kernels
@@ -192,8 +192,7 @@ def decide(site: AttentionSite, platform: str, kernel: str = "auto") -> Choice:
         reason += (f", XLA:TPU's own fusion not checked off-TPU (run "
                    f"`hlotool cost SCRIPT --target {hw.name}`)")
     if v.pays and v.kernel_name is not None:
-        _, why = kernels.select(site, hw.platform if hw.platform in ("tpu", "cuda")
-                                else "default")
+        _, why = kernel_choice(site, hw)
         if "skipped" in why:  # the kernels passed over, each with its reason
             reason += f"; {why}"
     return Choice(v.kernel_name if v.pays else None, reason)

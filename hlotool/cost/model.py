@@ -110,8 +110,9 @@ def mask_operand_bytes(site: AttentionSite) -> int:
     return int(np.prod(shape)) * (4 if site.mask == "additive" else 1)
 
 
-def kernel_for(site: AttentionSite, hardware: Hardware) -> AttentionKernel:
-    """The flash kernel the registry runs `site` with on `hardware`'s platform.
+def kernel_choice(site: AttentionSite, hardware: Hardware) -> tuple[AttentionKernel, str]:
+    """The flash kernel the registry runs `site` with on `hardware`'s platform, and why
+    (naming every kernel passed over).
 
     Raises KernelError (naming why) when no flash kernel takes the site there.
     """
@@ -119,7 +120,12 @@ def kernel_for(site: AttentionSite, hardware: Hardware) -> AttentionKernel:
     kernel, why = select(site, platform)
     if kernel.name == "reference":
         raise KernelError(f"no flash kernel takes this site on {hardware.name}: {why}")
-    return kernel
+    return kernel, why
+
+
+def kernel_for(site: AttentionSite, hardware: Hardware) -> AttentionKernel:
+    """`kernel_choice`'s kernel."""
+    return kernel_choice(site, hardware)[0]
 
 
 def _matmul_rate(site: AttentionSite, hardware: Hardware) -> float:
