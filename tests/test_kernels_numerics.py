@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +62,8 @@ CASES = [
 
 
 def _inputs(case: Case):
-    keys = jax.random.split(jax.random.PRNGKey(hash(case.name) % 2**31), 6)
+    # crc32, not hash(): str hashes change with PYTHONHASHSEED, so inputs would differ per run.
+    keys = jax.random.split(jax.random.PRNGKey(zlib.crc32(case.name.encode())), 6)
     dt = jnp.dtype(case.dtype)
     q = jax.random.normal(keys[0], (case.batch, case.lq, case.hq, case.d)).astype(dt)
     k = jax.random.normal(keys[1], (case.batch, case.lk, case.hkv, case.d)).astype(dt)
