@@ -6,8 +6,11 @@ would pass the cap is not started and shows as "OOM (needs ≈X GB)".
 
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --lengths 1024,2048 --cap-gb 8
+    JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --mask window:512 --lengths 8192
 
-Shapes: B=1, H=8, D=64, float32, non-causal, q/k/v [B, L, H, D]. Times exclude compilation
+Shapes: B=1, H=8, D=64, float32, q/k/v [B, L, H, D]; `--mask` none (default), causal, or
+window:W (causal, each query sees its W most recent keys, as Mistral): the naive side applies
+it with `jnp.where` over iotas, the chunked kernel skips the blocks outside it. Times exclude compilation
 (best of --repeats runs after one warm-up call): wall seconds, and in parentheses the
 process's CPU seconds (all threads), which other load on a shared machine inflates less.
 """
@@ -29,7 +32,7 @@ NAIVE_MATRICES = {"fwd": 2.5, "fwd+bwd": 4.5}
 BASE_BYTES = 0.6e9  # jax runtime, compiled code, inputs
 
 
-def _child(impl: str, mode: str, length: int, repeats: int, cap: int) -> dict:
+def _child(impl: str, mode: str, length: int, repeats: int, cap: int, mask: str) -> dict:
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     import jax
     import jax.numpy as jnp
@@ -39,13 +42,19 @@ def _child(impl: str, mode: str, length: int, repeats: int, cap: int) -> dict:
     kernel = get("reference" if impl == "naive" else "chunked")
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(key, (B, length, H, D), jnp.float32) for key in keys)
+    window = int(mask.split(":")[1]) if mask.startswith("window:") else None
     if impl == "naive":
         def attend(q, k, v):  # the plain formula, as a user writes it
             s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D**-0.5
+            if mask != "none":
+                i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+                keep = (j <= i) if window is None else (j <= i) & (j > i - window)
+                s = jnp.where(keep, s, -jnp.inf)
             return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
     else:
         def attend(q, k, v):
-            return kernel(q, k, v, scale=D**-0.5)
+            return kernel(q, k, v, scale=D**-0.5, causal=mask != "none",
+                          window=None if window is None else (window - 1, 0))
     if mode == "fwd":
         fn = jax.jit(attend)
     else:
@@ -64,13 +73,13 @@ def _child(impl: str, mode: str, length: int, repeats: int, cap: int) -> dict:
             "peak_bytes": peak}
 
 
-def _run(impl: str, mode: str, length: int, repeats: int, cap: int) -> dict:
+def _run(impl: str, mode: str, length: int, repeats: int, cap: int, mask: str) -> dict:
     if impl == "naive":
         need = NAIVE_MATRICES[mode] * B * H * length * length * 4 + BASE_BYTES
         if need > cap:
             return {"skipped": f"OOM (needs ≈{need / 1e9:.0f} GB)"}
     cmd = [sys.executable, __file__, "--child", impl, mode, str(length), str(repeats),
-           str(cap)]
+           str(cap), mask]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -93,15 +102,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cap-gb", type=float, default=12.0,
                         help="address-space cap per child process, GiB")
-    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--mask", default="none",
+                        help="none, causal or window:W (causal, W keys per query)")
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        impl, mode, length, repeats, cap = args.child
-        print(json.dumps(_child(impl, mode, int(length), int(repeats), int(cap))))
+        impl, mode, length, repeats, cap, mask = args.child
+        print(json.dumps(_child(impl, mode, int(length), int(repeats), int(cap), mask)))
         return
+    if not (args.mask in ("none", "causal") or args.mask.startswith("window:")):
+        parser.error(f"--mask must be none, causal or window:W, got {args.mask!r}")
 
     cap = int(args.cap_gb * 2**30)
-    print(f"B={B} H={H} D={D} float32, non-causal; best of {args.repeats} after warm-up; "
+    print(f"B={B} H={H} D={D} float32, mask {args.mask}; best of {args.repeats} after warm-up; "
           f"children capped at {args.cap_gb:g} GiB; {os.cpu_count()} CPUs")
     header = ("L", "pass", "naive time", "naive peak", "chunked time", "chunked peak",
               "time ratio", "peak ratio")
@@ -109,8 +122,8 @@ def main() -> None:
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)), flush=True)
     for length in map(int, args.lengths.split(",")):
         for mode in args.modes.split(","):
-            naive = _run("naive", mode, length, args.repeats, cap)
-            chunked = _run("chunked", mode, length, args.repeats, cap)
+            naive = _run("naive", mode, length, args.repeats, cap, args.mask)
+            chunked = _run("chunked", mode, length, args.repeats, cap, args.mask)
             ratios = ("-", "-")
             if "skipped" not in naive and "skipped" not in chunked:
                 ratios = (f"{chunked['seconds'] / naive['seconds']:.2f}x",

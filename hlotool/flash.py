@@ -27,6 +27,7 @@ import numpy as np
 from hlotool import jaxcompat, kernels
 from hlotool.cost.decision import decide
 from hlotool.errors import HlotoolError, first_line
+from hlotool.kernels.base import Call
 from hlotool.kernels.registry import PLATFORMS
 from hlotool.kernels.sharded import mesh_of, on_mesh
 from hlotool.passes import lower
@@ -145,8 +146,26 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
                 return own(values)
             with jax.named_scope(name):
                 call, after = lower.operands(form, site, values)
-                out = on_mesh(kernels.get(name).run, call, mesh)
-                return lower.restore(site, out, after)
+
+                def attend(kernel: str, call: Call, after: lower.After) -> jax.Array:
+                    out = on_mesh(kernels.get(kernel).run, call, mesh)
+                    return lower.restore(site, out, after)
+
+                if not form.checks:
+                    return attend(name, call, after)
+                # A bias read as a mask, where the reading is exact at this call; else the
+                # bias as it is, in the exact kernel (or the site's own equations where no
+                # kernel form has it).
+                if form.fallback is None:
+                    def slow():
+                        return own(values)
+                else:
+                    exact, exact_after = lower.operands(form.fallback, site, values)
+
+                    def slow():
+                        return attend("chunked", exact, exact_after)
+                return jax.lax.cond(lower.reads_as_mask(form, call),
+                                    lambda: attend(name, call, after), slow)
         return run
 
     def run(values: Mapping[Any, jax.Array]) -> jax.Array:

@@ -17,8 +17,22 @@ from typing import Any, Literal
 
 import numpy as np
 
-MaskKind = Literal["none", "causal", "additive", "boolean"]
-MASK_KINDS: tuple[str, ...] = ("none", "causal", "additive", "boolean")
+# "local": a sliding window alone (`window`); with a causal, boolean or additive mask the
+# window is reported beside that kind.
+MaskKind = Literal["none", "causal", "local", "additive", "boolean"]
+MASK_KINDS: tuple[str, ...] = ("none", "causal", "local", "additive", "boolean")
+
+
+Band = tuple[int | None, int | None]
+
+
+def band_of(causal: bool, window: Band | None) -> Band | None:
+    """The (left, right) band a causal mask and a window leave visible together (query i sees
+    keys i - left .. i + right, None for an unbounded side); None for all keys."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return None if (left, right) == (None, None) else (left, right)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +66,15 @@ class AttentionSite:
     softcap: float | None = None
     # `where(mask, softmax(...), 0)` after the softmax (Keras' masked softmax).
     post_mask: bool = False
+    # `softmax(...) * (keep / keep_prob)`, keep a random boolean mask (dropout in training).
+    dropout: bool = False
     # An extra logit per row in the softmax, with no value (attention sinks, GPT-OSS).
     sinks: bool = False
+    # A sliding window read from the mask's structure: query i sees keys i - left .. i +
+    # right, None for an unbounded side; None without one.
+    window: tuple[int | None, int | None] | None = None
+    # A factor q_ids[b, i] == kv_ids[b, j] of the mask (packed sequences), read as segment ids.
+    segments: bool = False
     # The program's own operand shapes and the layout they map from ("BLHD", "BHLD", "LHD", ...).
     q_shape: tuple[int, ...] = ()
     k_shape: tuple[int, ...] = ()
@@ -77,12 +98,19 @@ class AttentionSite:
     def variants(self) -> tuple[str, ...]:
         """The softmax variants the site uses, as reports name them."""
         out = []
+        if self.window is not None:
+            left, right = ("∞" if w is None else str(w) for w in self.window)
+            out.append(f"window ({left}, {right})")
+        if self.segments:
+            out.append("segment ids")
         if self.softcap is not None:
             out.append(f"softcap {self.softcap:g}")
         if self.sinks:
             out.append("sinks")
         if self.post_mask:
             out.append("post-softmax mask")
+        if self.dropout:
+            out.append("dropout")
         if self.multiplier_shape is not None:
             out.append("head mask")
         return tuple(out)
@@ -90,6 +118,12 @@ class AttentionSite:
     @property
     def causal(self) -> bool:
         return self.mask == "causal"
+
+    @property
+    def band(self) -> Band | None:
+        """(left, right) of the keys each query sees by structure (causal: (None, 0), with
+        the window intersected), None when that is all of them."""
+        return band_of(self.causal, self.window)
 
     @property
     def itemsize(self) -> int:
@@ -106,7 +140,7 @@ class AttentionSite:
     def to_json(self) -> dict[str, Any]:
         """The site as the versioned report's JSON object."""
         out = dataclasses.asdict(self)
-        for key in ("q_shape", "k_shape", "v_shape", "mask_shape", "multiplier_shape"):
+        for key in ("q_shape", "k_shape", "v_shape", "mask_shape", "multiplier_shape", "window"):
             if out[key] is not None:
                 out[key] = list(out[key])
         out["score_bytes"] = self.score_bytes

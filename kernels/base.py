@@ -2,8 +2,9 @@
 
 A kernel is called as
 
-    kernel(q, k, v, *, scale, bias=None, mask=None, causal=False, kv_lengths=None,
-           fill=-inf, softcap=None, post_mask=None, sinks=None, out_dtype=None, layout="BLHD")
+    kernel(q, k, v, *, scale, bias=None, mask=None, causal=False, window=None,
+           kv_lengths=None, segment_ids=None, fill=-inf, softcap=None, post_mask=None,
+           sinks=None, out_dtype=None, layout="BLHD")
 
 with, in layout "BLHD" (canonical, as `hlotool.site.AttentionSite`):
   q: [B, Lq, Hq, D]    k: [B, Lk, Hkv, D]    v: [B, Lk, Hkv, Dv]    -> out: [B, Lq, Hq, Dv]
@@ -18,19 +19,24 @@ Semantics shared by all kernels (the reference kernel is their definition), over
 
 `scale=None` means unscaled (1.0), as in `AttentionSite.scale`. `cap` is the identity, or with
 `softcap=c` logit soft-capping c·tanh(x / c) (Gemma 2). Three variants real models use extend
-the softmax: `post_mask` (bool, broadcastable to [B, Hq, Lq, Lk]) zeroes probabilities after it,
-`where(post_mask, softmax(logits), 0)` as Keras' masked softmax does (the keys it zeroes still
-weigh in the normalizer); `sinks` (float, broadcastable to [B, Hq, Lq, 1]) is one more logit per
-row that takes part in the softmax and has no value (attention sinks, GPT-OSS):
-out = Σ_j exp(l_j)·v_j / (exp(sink) + Σ_j exp(l_j)). Key j is visible to query i
-when `mask[b, h, i, j]` (True = attend), `j <= i` if `causal` (top-left aligned, as
-`jax.nn.dot_product_attention`) and `j < kv_lengths[b]`. `fill` is the logit of a hidden key,
-exactly what `jnp.where(mask, scores, fill)` gives the naive program: with the default -inf
-hidden keys never contribute, even when they hold NaN, and a query row with no visible key
-returns zeros; with a finite fill a hidden key keeps its weight exp(fill - max), so a row with
-no visible key is the mean of v over all keys. `out_dtype` is the result's dtype (default: q's);
-"float32" keeps the f32 accumulation of a kernel that has one, for a caller that goes on
-computing with the result before rounding it (hlotool's rewrite applies a head mask to it).
+the softmax: `post_mask` (broadcastable to [B, Hq, Lq, Lk]) changes probabilities after it:
+bool, `where(post_mask, softmax(logits), 0)` as Keras' masked softmax does (the keys it zeroes
+still weigh in the normalizer); float, `softmax(logits) * post_mask`, dropout's keep / keep_prob
+(the random bits are the program's own, so the result is exactly its; no gradient flows to it);
+`sinks` (float, broadcastable to [B, Hq, Lq, 1]) is one more logit per row that takes part in
+the softmax and has no value (attention sinks, GPT-OSS): out = Σ_j exp(l_j)·v_j / (exp(sink) +
+Σ_j exp(l_j)). Key j is visible to query i when `mask[b, h, i, j]` (True = attend), `j <= i` if
+`causal` (top-left aligned, as `jax.nn.dot_product_attention`), `i - left <= j <= i + right` for
+`window=(left, right)` (a sliding window; None for an unbounded side), `j < kv_lengths[b]`
+and, with `segment_ids=(q_ids [B, Lq], kv_ids [B, Lk])` (packed sequences), q_ids[b, i] ==
+kv_ids[b, j].
+`fill` is the logit of a hidden key, exactly what `jnp.where(mask, scores, fill)` gives the
+naive program: with the default -inf hidden keys never contribute, even when they hold NaN, and
+a query row with no visible key returns zeros; with a finite fill a hidden key keeps its weight
+exp(fill - max), so a row with no visible key is the mean of v over all keys. `out_dtype` is the
+result's dtype (default: q's); "float32" keeps the f32 accumulation of a kernel that has one,
+for a caller that goes on computing with the result before rounding it (hlotool's rewrite
+applies a head mask to it).
 
 A kernel that hides keys its own way (a large negative constant in its tiles, blocks it does
 not visit) declares that logit as `hidden_logit`. Its result is used only where a runtime check
@@ -53,7 +59,7 @@ import numpy as np
 from jax import lax
 
 from hlotool.errors import HlotoolError
-from hlotool.site import AttentionSite
+from hlotool.site import AttentionSite, Band, band_of
 
 LAYOUTS = ("BLHD", "BHLD")
 
@@ -81,10 +87,11 @@ class Support:
         return cls(False, reason)
 
 
-# Softmax variants beyond masks (module docstring); a kernel lists those it implements in
+# Variants beyond the basic masks (module docstring); a kernel lists those it implements in
 # `AttentionKernel.extras`, and refuses the others by these names.
 EXTRAS = {"softcap": "logit soft-capping", "post_mask": "a mask applied after the softmax",
-          "sinks": "attention sinks"}
+          "dropout": "dropout on the probabilities", "sinks": "attention sinks",
+          "window": "a sliding window", "segments": "segment ids"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +106,10 @@ class Features:
     finite_fill: bool = False  # hidden keys keep a finite logit (see `Call.fill`)
     softcap: bool = False
     post_mask: bool = False
+    dropout: bool = False
     sinks: bool = False
+    window: bool = False
+    segments: bool = False
 
     @classmethod
     def of_site(cls, site: AttentionSite) -> Features:
@@ -110,7 +120,10 @@ class Features:
             finite_fill=site.mask_fill is not None and math.isfinite(site.mask_fill),
             softcap=site.softcap is not None,
             post_mask=site.post_mask,
+            dropout=site.dropout,
             sinks=site.sinks,
+            window=site.window is not None,
+            segments=site.segments,
         )
 
     def extras(self) -> tuple[str, ...]:
@@ -119,7 +132,7 @@ class Features:
 
     @property
     def hides_keys(self) -> bool:
-        return self.causal or self.mask or self.kv_lengths
+        return self.causal or self.mask or self.kv_lengths or self.window or self.segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,16 +161,17 @@ class KernelCost:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["q", "k", "v", "bias", "mask", "kv_lengths", "post_mask",
-                                "sinks"],
-                   meta_fields=["scale", "causal", "fill", "softcap", "out_dtype"])
+                                "sinks", "segments"],
+                   meta_fields=["scale", "causal", "fill", "softcap", "out_dtype", "window"])
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One call's operands in canonical terms, validated.
 
     q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; bias: 4-D, each axis 1 or the
-    full [B, Hq, Lq, Lk] size; mask, post_mask: bool, same rule; kv_lengths: int32 [B]; sinks:
-    float [B|1, Hq|1, Lq|1, 1]; fill: the logit of a hidden key (-inf, or finite); softcap: c
-    of c·tanh(x / c), or None; out_dtype: the result's dtype, None for q's.
+    full [B, Hq, Lq, Lk] size; mask: bool, same rule; post_mask: bool or float, same rule;
+    kv_lengths: int32 [B]; sinks: float [B|1, Hq|1, Lq|1, 1]; fill: the logit of a hidden key
+    (-inf, or finite); softcap: c of c·tanh(x / c), or None; out_dtype: the result's dtype, None
+    for q's; window: (left, right) of a sliding window (None for an unbounded side), or None.
     """
 
     q: jax.Array
@@ -173,6 +187,13 @@ class Call:
     post_mask: jax.Array | None = None
     sinks: jax.Array | None = None
     out_dtype: str | None = None
+    window: tuple[int | None, int | None] | None = None
+    segments: tuple[jax.Array, jax.Array] | None = None  # (q ids [B, Lq], kv ids [B, Lk])
+
+    @property
+    def band(self) -> Band | None:
+        """The band the causal flag and the window leave visible (`band_of`)."""
+        return band_of(self.causal, self.window)
 
     @property
     def result_dtype(self) -> jnp.dtype:
@@ -187,8 +208,11 @@ class Call:
             kv_lengths=self.kv_lengths is not None,
             finite_fill=math.isfinite(self.fill),
             softcap=self.softcap is not None,
-            post_mask=self.post_mask is not None,
+            post_mask=self.post_mask is not None and self.post_mask.dtype == jnp.bool_,
+            dropout=self.post_mask is not None and self.post_mask.dtype != jnp.bool_,
             sinks=self.sinks is not None,
+            window=self.window is not None,
+            segments=self.segments is not None,
         )
 
     def site(self) -> AttentionSite:
@@ -196,6 +220,8 @@ class Call:
         b, lq, hq, d = self.q.shape
         _, lk, hkv, dv = self.v.shape
         kind = "none"
+        if self.window is not None:
+            kind = "local"
         if self.causal:
             kind = "causal"
         if self.mask is not None:
@@ -212,7 +238,9 @@ class Call:
             q_shape=tuple(self.q.shape), k_shape=tuple(self.k.shape),
             v_shape=tuple(self.v.shape), layout="BLHD",
             mask_fill=None if kind == "none" else self.fill, softcap=self.softcap,
-            post_mask=self.post_mask is not None, sinks=self.sinks is not None,
+            post_mask=self.features.post_mask, dropout=self.features.dropout,
+            sinks=self.sinks is not None,
+            window=self.window, segments=self.segments is not None,
         )
 
 
@@ -243,7 +271,9 @@ class CallOptions(TypedDict, total=False):
     bias: jax.Array | None
     mask: jax.Array | None
     causal: bool
+    window: tuple[int | None, int | None] | None
     kv_lengths: jax.Array | None
+    segment_ids: tuple[jax.Array, jax.Array] | None
     fill: float
     softcap: float | None
     post_mask: jax.Array | None
@@ -261,7 +291,9 @@ def make_call(
     bias: jax.Array | None = None,
     mask: jax.Array | None = None,
     causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
     kv_lengths: jax.Array | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
     fill: float = -math.inf,
     softcap: float | None = None,
     post_mask: jax.Array | None = None,
@@ -280,6 +312,8 @@ def make_call(
         softcap = float(softcap)
         if not (math.isfinite(softcap) and softcap > 0):
             raise KernelError(f"softcap must be positive and finite, got {softcap}")
+    if window is not None:
+        window = _window(window)
     if out_dtype is not None:
         if not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating):
             raise KernelError(f"out_dtype must be floating point, got {out_dtype}")
@@ -311,8 +345,9 @@ def make_call(
             raise KernelError(f"mask must be boolean (True = attend), got {mask.dtype}")
     if post_mask is not None:
         post_mask = _broadcast_operand(jnp.asarray(post_mask), "post_mask", full)
-        if post_mask.dtype != jnp.bool_:
-            raise KernelError(f"post_mask must be boolean (True = keep), got {post_mask.dtype}")
+        if post_mask.dtype != jnp.bool_ and not jnp.issubdtype(post_mask.dtype, jnp.floating):
+            raise KernelError(f"post_mask must be boolean (True = keep) or floating point (a "
+                              f"multiplier), got {post_mask.dtype}")
     if sinks is not None:
         sinks = _broadcast_operand(jnp.asarray(sinks), "sinks", full[:3] + (1,))
         if not jnp.issubdtype(sinks.dtype, jnp.floating):
@@ -325,8 +360,39 @@ def make_call(
                 f"{kv_lengths.dtype}{list(kv_lengths.shape)}"
             )
         kv_lengths = kv_lengths.astype(jnp.int32)
+    if segment_ids is not None:
+        segment_ids = _segment_ids(segment_ids, b, lq, k.shape[1])
     return Call(q, k, v, 1.0 if scale is None else float(scale), bias, mask, bool(causal),
-                kv_lengths, fill, softcap, post_mask, sinks, out_dtype)
+                kv_lengths, fill, softcap, post_mask, sinks, out_dtype, window, segment_ids)
+
+
+def _segment_ids(ids, b: int, lq: int, lk: int) -> tuple[jax.Array, jax.Array]:
+    """(q ids [B, Lq], kv ids [B, Lk]) as int32, validated."""
+    try:
+        q_ids, kv_ids = (jnp.asarray(x) for x in ids)
+    except (TypeError, ValueError):
+        raise KernelError("segment_ids must be a pair (q_ids [B, Lq], kv_ids [B, Lk])") from None
+    for x, name, length in ((q_ids, "q", lq), (kv_ids, "kv", lk)):
+        if x.shape != (b, length) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise KernelError(f"segment_ids {name} must be an integer [B, L] = [{b}, {length}] "
+                              f"array, got {x.dtype}{list(x.shape)}")
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+
+
+def _window(window) -> tuple[int | None, int | None] | None:
+    """`window` validated as (left, right) ints or None; None when both sides are unbounded."""
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise KernelError(f"window must be a pair (left, right), got {window!r}") from None
+    for side in (left, right):
+        if side is not None and not isinstance(side, (int, np.integer)):
+            raise KernelError(f"window sides must be ints or None, got {window!r}")
+    if left is not None and right is not None and left + right < 0:
+        raise KernelError(f"window {window!r} shows no key to any query (left + right < 0)")
+    if left is None and right is None:
+        return None
+    return (None if left is None else int(left), None if right is None else int(right))
 
 
 class AttentionKernel(abc.ABC):
@@ -414,13 +480,34 @@ def round_up(x: int, multiple: int) -> int:
     return cdiv(x, multiple) * multiple
 
 
-def visible_fraction(lq: int, lk: int, bq: int, bk: int, causal: bool) -> float:
+def key_block_span(i, nk: int, bq: int, bk: int, band: Band | None, *, maximum=max,
+                   minimum=min):
+    """[first, end) of the key blocks (of bk) that query block i (of bq) sees some key of
+    under `band`; `maximum`/`minimum` are jnp's for a traced i."""
+    if band is None:
+        return 0, nk
+    left, right = band
+    first = 0 if left is None else maximum(0, (i * bq - left) // bk)
+    end = nk if right is None else minimum(nk, maximum(0, cdiv(i * bq + bq + right, bk)))
+    return first, maximum(first, end)
+
+
+def query_block_span(j, nq: int, bq: int, bk: int, band: Band | None, *, maximum=max,
+                     minimum=min):
+    """[first, end) of the query blocks that see some key of key block j under `band`."""
+    if band is None:
+        return 0, nq
+    left, right = band
+    first = 0 if right is None else maximum(0, (j * bk - right) // bq)
+    end = nq if left is None else minimum(nq, maximum(0, (j * bk + bk - 1 + left) // bq + 1))
+    return first, maximum(first, end)
+
+
+def visible_fraction(lq: int, lk: int, bq: int, bk: int, band: Band | None) -> float:
     """Fraction of the [Lq, Lk] score tiles (of bq × bk) a block-skipping kernel visits."""
     nq, nk = cdiv(lq, bq), cdiv(lk, bk)
-    if not causal:
-        return 1.0
-    visited = sum(min(nk, cdiv(min((i + 1) * bq, lk), bk)) for i in range(nq))
-    return visited / (nq * nk)
+    spans = (key_block_span(i, nk, bq, bk, band) for i in range(nq))
+    return sum(end - first for first, end in spans) / (nq * nk)
 
 
 def naive_cost(site: AttentionSite, *, backward: bool = False) -> KernelCost:
@@ -459,7 +546,7 @@ def flash_cost(
     """
     b, hq, hkv, lq, lk = site.batch, site.num_q_heads, site.num_kv_heads, site.q_len, site.kv_len
     d, dv, item = site.head_dim, site.v_head_dim, site.itemsize
-    frac = visible_fraction(lq, lk, block_q, block_k, site.causal)
+    frac = visible_fraction(lq, lk, block_q, block_k, site.band)
     nq, nk = cdiv(lq, block_q), cdiv(lk, block_k)
     scores = int(b * hq * lq * lk * frac)
     q_bytes, o_bytes = b * lq * hq * d * item, b * lq * hq * dv * item
@@ -499,13 +586,24 @@ def soft_fill_refusal(site: AttentionSite, features: Features) -> Support:
     return Support.yes()
 
 
+def post_softmax(p: jax.Array, post: jax.Array) -> jax.Array:
+    """Probabilities `p` after a `post_mask` (broadcastable): zeroed where a bool one drops a
+    key, multiplied by a float one."""
+    if post.dtype == jnp.bool_:
+        return jnp.where(post, p, 0.0)
+    return p * post.astype(p.dtype)
+
+
 def visible_keys(call: Call) -> jax.Array | None:
     """bool, broadcastable to [B, Hq, Lq, Lk]: which keys each query sees; None for all."""
     lq, lk = call.q.shape[1], call.k.shape[1]
     visible = call.mask
-    for extra in ((np.arange(lk)[None, :] <= np.arange(lq)[:, None]) if call.causal else None,
+    band = call.band
+    for extra in (None if band is None else band_mask(lq, lk, band)[None, None],
                   None if call.kv_lengths is None
-                  else np.arange(lk) < call.kv_lengths[:, None, None, None]):
+                  else jnp.arange(lk) < call.kv_lengths[:, None, None, None],
+                  None if call.segments is None
+                  else call.segments[0][:, None, :, None] == call.segments[1][:, None, None, :]):
         if extra is not None:
             visible = extra if visible is None else visible & extra
     return visible
@@ -514,9 +612,37 @@ def visible_keys(call: Call) -> jax.Array | None:
 def row_has_key(call: Call) -> jax.Array | None:
     """bool, broadcastable to [B, Hq, Lq, 1]: whether each query row sees at least one key;
     None when every row does (a causal row always sees key 0)."""
-    if call.mask is None and call.kv_lengths is None:
-        return None
+    if call.mask is None and call.kv_lengths is None and call.segments is None:
+        if call.window is None:
+            return None
+        # Row i sees keys max(0, i - left) .. min(Lk - 1, i + right): no [Lq, Lk] array.
+        left, right = call.window
+        i = jnp.arange(call.q.shape[1])[:, None]
+        first = jnp.zeros_like(i) if left is None else jnp.maximum(0, i - left)
+        last = jnp.full_like(i, call.k.shape[1] - 1)
+        if right is not None:
+            last = jnp.minimum(last, i + right)
+        if call.causal:
+            last = jnp.minimum(last, i)
+        return (first <= last)[None, None]  # [1, 1, Lq, 1]
     return jnp.any(visible_keys(call), axis=-1, keepdims=True)
+
+
+CAUSAL = (None, 0)  # the window of a causal mask
+
+
+def band_mask(lq: int, lk: int, window: tuple[int | None, int | None]) -> jax.Array:
+    """bool [Lq, Lk]: `i - left <= j <= i + right` (built from iotas, so XLA fuses it into
+    whatever reads it rather than holding an [Lq, Lk] constant)."""
+    i = lax.broadcasted_iota(jnp.int32, (lq, lk), 0)
+    j = lax.broadcasted_iota(jnp.int32, (lq, lk), 1)
+    left, right = window
+    visible = jnp.ones((lq, lk), bool)
+    if left is not None:
+        visible = visible & (j >= i - left)
+    if right is not None:
+        visible = visible & (j <= i + right)
+    return visible
 
 
 def zero_invalid_keys(call: Call) -> Call:

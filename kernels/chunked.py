@@ -2,20 +2,21 @@
 
 Queries are processed in blocks of `block_q`, keys in blocks of `block_k`; a query block
 carries its running max, normalizer and output accumulator across key blocks (FlashAttention),
-so memory is O(L·D) plus one [Hq, block_q, block_k] score tile. Under `causal`, key blocks
-entirely above the diagonal are skipped by the loop bounds, not computed and masked. The
+so memory is O(L·D) plus one [Hq, block_q, block_k] score tile. Under `causal` or a window,
+key blocks entirely outside the band are skipped by the loop bounds, not computed and masked. The
 backward pass (custom VJP) recomputes score tiles from Q, K, V and the saved row max and
 normalizer instead of storing probabilities (kept apart, not as one log-sum-exp: beside a
 finfo.min bias the max absorbs the log of the normalizer).
 
 Hidden keys get exactly `fill` (see `hlotool.kernels.base`), and every variant there is
 implemented: soft-capping on each score tile (its derivative 1 - tanh² in the backward), a
-post-softmax mask on the numerator only, sinks as each row's starting max and normalizer.
-With a finite fill the keys of skipped blocks still carry weight exp(fill - max): they enter
-in closed form, through suffix sums of V over keys (forward) and prefix sums of w·dO over
-queries (backward), so skipping stays exact (a post-softmax mask under a finite fill would
-zero some of those keys: then no block is skipped and the causal mask is applied per tile).
-Keys the kernel itself pads to a block multiple are not in the program and are always -inf.
+post-softmax mask (or dropout's multiplier) on the numerator only, sinks as each row's starting
+max and normalizer. With a finite fill the keys of skipped blocks still carry weight exp(fill -
+max): they enter in closed form, through suffix sums of V over keys (forward) and prefix sums of
+w·dO over queries (backward), so skipping stays exact (a post-softmax mask under a finite fill
+would zero some of those keys, and a window hides keys on both sides: then no block is skipped
+and the band is applied per tile). Keys the kernel itself pads to a block multiple are not in
+the program and are always -inf.
 
 Internal layout: q [B, Hkv, G, Lq, D] with G = Hq / Hkv query heads per K/V head, so GQA
 never repeats K/V; k [B, Hkv, Lk, D]; v [B, Hkv, Lk, Dv]; bias and mask [B|1, Hkv|1, G|1,
@@ -40,8 +41,12 @@ from hlotool.kernels.base import (
     KernelCost,
     KernelError,
     Support,
+    Band,
     cdiv,
     flash_cost,
+    key_block_span,
+    post_softmax,
+    query_block_span,
     zero_invalid_keys,
 )
 from hlotool.site import AttentionSite
@@ -54,20 +59,20 @@ class _Static:
     block_q: int
     block_k: int
     kv_len: int  # unpadded; keys at and beyond it are padding, never seen
-    causal: bool
+    band: Band | None  # (left, right): query i sees keys i - left .. i + right
     fill: float  # logit of a hidden key
     scale: float  # applied to each f32 score tile; 1.0 when q came in pre-scaled
     softcap: float | None = None
-    visit_all: bool = False  # causal, but no block skipped (see the module docstring)
+    visit_all: bool = False  # a band, but no block skipped (see the module docstring)
 
     @property
     def skips(self) -> bool:
-        """Whether key blocks above the diagonal are skipped."""
-        return self.causal and not self.visit_all
+        """Whether key blocks outside the band are skipped."""
+        return self.band is not None and not self.visit_all
 
     @property
     def skipped_keys_count(self) -> bool:
-        """Whether skipped (causal) blocks carry weight that must be added back."""
+        """Whether skipped blocks (right of the band) carry weight that must be added back."""
         return self.skips and math.isfinite(self.fill)
 
 
@@ -82,15 +87,17 @@ def _tile(x: jax.Array | None, i, j, st: _Static) -> jax.Array | None:
     return x
 
 
-def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static
+def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static
             ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """f32 [B, Hkv, G·block_q, block_k] logits of tile (i, j) — `fill` where hidden, -inf on
     padding —, whether each key is visible (None when all are) and, under soft-capping, the
     tanh of each capped score (None without).
 
     q_i: [B, Hkv, G·block_q, D], the G query heads of a K/V head stacked as rows, so each
-    tile is one batched matmul per K/V head.
+    tile is one batched matmul per K/V head. keys: (kv_lengths [B], q segment ids [B, Lq],
+    kv segment ids [B, Lk]), each None when absent.
     """
+    kv_lengths, q_segments, kv_segments = keys
     s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=jnp.float32)
     if st.scale != 1.0:
         s = s * st.scale
@@ -106,13 +113,22 @@ def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static
     visible = None
     if kv_lengths is not None:
         visible = k_pos < kv_lengths[:, None, None, None, None]
-    if st.causal:
+    if st.band is not None:
         q_pos = i * st.block_q + lax.iota(jnp.int32, st.block_q)
-        causal = q_pos[:, None] >= k_pos[None, :]
-        visible = causal if visible is None else visible & causal
+        left, right = st.band
+        offset = k_pos[None, :] - q_pos[:, None]
+        inside = None if right is None else offset <= right
+        if left is not None:
+            inside = offset >= -left if inside is None else inside & (offset >= -left)
+        visible = inside if visible is None else visible & inside
     if mask is not None:
         m = _tile(mask, i, j, st)
         visible = m if visible is None else visible & m
+    if q_segments is not None:  # packed sequences: a query sees the keys of its own segment
+        q_seg = lax.dynamic_slice_in_dim(q_segments, i * st.block_q, st.block_q, axis=1)
+        kv_seg = lax.dynamic_slice_in_dim(kv_segments, j * st.block_k, st.block_k, axis=1)
+        same = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None, None]
+        visible = same if visible is None else visible & same
     if visible is not None:
         visible = jnp.broadcast_to(visible, s.shape)
         s = jnp.where(visible, s, st.fill)
@@ -123,12 +139,12 @@ def _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st: _Static
 
 
 def _kept(p, post, i, j, st: _Static):
-    """`p` [B, Hkv, G·block_q, block_k] zeroed where the post-softmax mask drops a key."""
+    """`p` [B, Hkv, G·block_q, block_k] after the post-softmax mask (`base.post_softmax`)."""
     if post is None:
         return p
     b, hkv, rows, bk = p.shape
     keep = jnp.broadcast_to(_tile(post, i, j, st), (b, hkv, rows // st.block_q, st.block_q, bk))
-    return jnp.where(keep.reshape(p.shape), p, 0.0)
+    return post_softmax(p, keep.reshape(p.shape))
 
 
 def _rows(x: jax.Array, i, st: _Static) -> jax.Array:
@@ -137,26 +153,24 @@ def _rows(x: jax.Array, i, st: _Static) -> jax.Array:
     return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
 
 
-def _num_k_blocks(i, nk: int, st: _Static):
-    """Key blocks query block i visits: all, or under `causal` those touching j <= i."""
-    if not st.skips:
-        return nk
-    return jnp.minimum(nk, cdiv((i + 1) * st.block_q, st.block_k))
+def _key_blocks(i, nk: int, st: _Static):
+    """[first, end) of the key blocks query block i visits: all, or those the band reaches."""
+    return key_block_span(i, nk, st.block_q, st.block_k, st.band if st.skips else None,
+                          maximum=jnp.maximum, minimum=jnp.minimum)
 
 
-def _first_q_block(j, st: _Static):
-    """First query block that sees key block j (0 unless causal)."""
-    if not st.skips:
-        return 0
-    return (j * st.block_k) // st.block_q
+def _query_blocks(j, nq: int, st: _Static):
+    """[first, end) of the query blocks that visit key block j."""
+    return query_block_span(j, nq, st.block_q, st.block_k, st.band if st.skips else None,
+                            maximum=jnp.maximum, minimum=jnp.minimum)
 
 
 def _skipped_keys(i, st: _Static) -> jax.Array:
-    """Position of the first key block query block i does not visit (causal)."""
-    return _num_k_blocks(i, cdiv(st.kv_len, st.block_k), st) * st.block_k
+    """Position of the first key right of the blocks query block i visits."""
+    return _key_blocks(i, cdiv(st.kv_len, st.block_k), st)[1] * st.block_k
 
 
-def _forward(q, k, v, bias, mask, kv_lengths, post, sinks, st: _Static):
+def _forward(q, k, v, bias, mask, keys, post, sinks, st: _Static):
     """out [B, Hkv, G, Lq, Dv] (f32) and each row's max and normalizer [B, Hkv, G, Lq]
     (0 and 1 for a row that saw nothing, whose out is then zeros). A row's sink starts its
     max and normalizer (weight exp(sink - max), no value)."""
@@ -175,7 +189,7 @@ def _forward(q, k, v, bias, mask, kv_lengths, post, sinks, st: _Static):
             m, l, acc = carry
             k_j = lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, axis=2)
             v_j = lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, axis=2)
-            s, _, _ = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
+            s, _, _ = _scores(q_i, k_j, bias, mask, keys, i, j, st)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             # Rows that have seen no key yet keep m = -inf; shift them by 0 so exp gives 0.
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -193,7 +207,7 @@ def _forward(q, k, v, bias, mask, kv_lengths, post, sinks, st: _Static):
             m0 = _rows(sinks, i, st)
             l0 = jnp.where(m0 > -jnp.inf, 1.0, 0.0)
         init = (m0, l0, jnp.zeros(rows + (dv,), jnp.float32))
-        m, l, acc = lax.fori_loop(0, _num_k_blocks(i, nk, st), key_block, init)
+        m, l, acc = lax.fori_loop(*_key_blocks(i, nk, st), key_block, init)
         if st.skipped_keys_count:
             # The keys of the blocks not visited, each with logit `fill`, in closed form.
             start = jnp.minimum(_skipped_keys(i, st), st.kv_len)
@@ -221,7 +235,7 @@ def _forward(q, k, v, bias, mask, kv_lengths, post, sinks, st: _Static):
     return out, m, l
 
 
-def _backward(q, k, v, bias, mask, kv_lengths, post, sinks, out, m, l, do, st: _Static):
+def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static):
     """dq, dk, dv, dbias, dsinks (f32; None without bias, sinks), recomputing each score tile
     once.
 
@@ -250,7 +264,7 @@ def _backward(q, k, v, bias, mask, kv_lengths, post, sinks, out, m, l, do, st: _
             dq, dk_j, dv_j, dbias = inner
             q_i, do_i = _rows(q, i, st), _rows(do, i, st)
             m_i, inv_l_i, delta_i = _rows(m, i, st), _rows(inv_l, i, st), _rows(delta, i, st)
-            s, visible, capped = _scores(q_i, k_j, bias, mask, kv_lengths, i, j, st)
+            s, visible, capped = _scores(q_i, k_j, bias, mask, keys, i, j, st)
             p = jnp.exp(s - m_i[..., None]) * inv_l_i[..., None]
             dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", _kept(p, post, i, j, st), do_i)
             dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
@@ -280,9 +294,9 @@ def _backward(q, k, v, bias, mask, kv_lengths, post, sinks, out, m, l, do, st: _
 
         zeros_k = jnp.zeros(k_j.shape, jnp.float32)
         zeros_v = jnp.zeros(v_j.shape, jnp.float32)
-        first = _first_q_block(j, st)
+        first, end = _query_blocks(j, nq, st)
         dq, dk_j, dv_j, dbias = lax.fori_loop(
-            first, nq, query_block, (dq, zeros_k, zeros_v, dbias))
+            first, end, query_block, (dq, zeros_k, zeros_v, dbias))
         if st.skipped_keys_count:
             # Query blocks before `first` skip this key block: each of its keys gets their
             # weighted dO (padding keys too; they are cut off by the caller).
@@ -303,22 +317,22 @@ def _backward(q, k, v, bias, mask, kv_lengths, post, sinks, out, m, l, do, st: _
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _flash(q, k, v, bias, mask, kv_lengths, post, sinks, st: _Static):
-    return _forward(q, k, v, bias, mask, kv_lengths, post, sinks, st)[0]
+def _flash(q, k, v, bias, mask, keys, post, sinks, st: _Static):
+    return _forward(q, k, v, bias, mask, keys, post, sinks, st)[0]
 
 
-def _flash_fwd(q, k, v, bias, mask, kv_lengths, post, sinks, st):
-    out, m, l = _forward(q, k, v, bias, mask, kv_lengths, post, sinks, st)
-    return out, (q, k, v, bias, mask, kv_lengths, post, sinks, out, m, l)
+def _flash_fwd(q, k, v, bias, mask, keys, post, sinks, st):
+    out, m, l = _forward(q, k, v, bias, mask, keys, post, sinks, st)
+    return out, (q, k, v, bias, mask, keys, post, sinks, out, m, l)
 
 
 def _flash_bwd(st, residuals, do):
-    q, k, v, bias, mask, kv_lengths, post, sinks, out, m, l = residuals
-    dq, dk, dv, dbias, dsinks = _backward(q, k, v, bias, mask, kv_lengths, post, sinks, out,
+    q, k, v, bias, mask, keys, post, sinks, out, m, l = residuals
+    dq, dk, dv, dbias, dsinks = _backward(q, k, v, bias, mask, keys, post, sinks, out,
                                           m, l, do.astype(jnp.float32), st)
     cast = lambda d, x: None if x is None else d.astype(x.dtype)  # noqa: E731
-    return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None, None, None,
-            cast(dsinks, sinks))
+    return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None,
+            (None,) * len(keys), None, cast(dsinks, sinks))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -374,9 +388,13 @@ class Chunked(AttentionKernel):
         # dtype it rounds q (and a scale of 1e6 is inf in float16): there the f32 tiles are
         # scaled instead, as the naive program scales its scores.
         wide = jnp.dtype(call.q.dtype).itemsize >= 4
-        st = _Static(bq, bk, lk, call.causal, call.fill, 1.0 if wide else call.scale,
-                     call.softcap, visit_all=call.post_mask is not None
-                     and math.isfinite(call.fill))
+        # Skipped keys under a finite fill enter in closed form, which covers those right of
+        # the band only (suffix and prefix sums).
+        finite = math.isfinite(call.fill)
+        st = _Static(bq, bk, lk, call.band, call.fill, 1.0 if wide else call.scale,
+                     call.softcap, visit_all=finite and (
+                         call.post_mask is not None
+                         or (call.band is not None and call.band[0] is not None)))
         q = call.q * jnp.asarray(call.scale, call.q.dtype) if wide else call.q
         q = q.reshape(b, lq, hkv, g, d)
         q = _pad_axis(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, lq_p)
@@ -397,7 +415,12 @@ class Chunked(AttentionKernel):
         if call.sinks is not None:
             sinks = to5(call.sinks.astype(jnp.float32), 0)[..., 0]
             sinks = jnp.broadcast_to(sinks, (b, hkv, g, lq_p))
-        out = _flash(q, k, v, to5(call.bias, 0), to5(call.mask, False), kv_lengths,
-                     to5(call.post_mask, False), sinks, st)
+        segments = (None, None)
+        if call.segments is not None:  # padded queries and keys get segments of their own
+            q_seg, kv_seg = call.segments
+            segments = (jnp.pad(q_seg, ((0, 0), (0, lq_p - lq)), constant_values=-1),
+                        jnp.pad(kv_seg, ((0, 0), (0, lk_p - lk)), constant_values=-2))
+        out = _flash(q, k, v, to5(call.bias, 0), to5(call.mask, False),
+                     (kv_lengths, *segments), to5(call.post_mask, False), sinks, st)
         out = jnp.transpose(out[:, :, :, :lq], (0, 3, 1, 2, 4)).reshape(b, lq, hq, -1)
         return out.astype(call.result_dtype)

@@ -147,7 +147,7 @@ class PallasTpuFlash(PaddedTpuKernel):
             return fa.flash_attention(q, k, v, ab, segment_ids, causal=call.causal,
                                       sm_scale=1.0, block_sizes=blocks)
 
-        scores = b * hq * lq_p * lk_p * visible_fraction(lq_p, lk_p, bq, bk, call.causal)
+        scores = b * hq * lq_p * lk_p * visible_fraction(lq_p, lk_p, bq, bk, call.band)
         costed = with_backward_costs(flash, functools.partial(_backward_estimate, scores, d_p))
 
         def pallas_tpu_flash(q, k, v, ab, segment_ids):

@@ -18,6 +18,7 @@ from hlotool.kernels.base import (
     KernelCost,
     Support,
     naive_cost,
+    post_softmax,
     visible_keys,
     zero_invalid_keys,
 )
@@ -65,7 +66,7 @@ class Reference(AttentionKernel):
             denom = denom + jnp.exp(sinks - shift)
         p = p / jnp.where(denom == 0, 1.0, denom)
         if call.post_mask is not None:
-            p = jnp.where(call.post_mask, p, 0.0)
+            p = post_softmax(p, call.post_mask)
         p = p.reshape(b, hkv, hq // hkv, lq, -1)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", p, call.v.astype(f32), precision=hi)
         return out.reshape(b, lq, hq, -1).astype(call.result_dtype)

@@ -5,8 +5,11 @@ with grouped K/V heads natively, a static mask object per head (`CausalMask`, ..
 fully masked blocks it skips, segment ids, logit soft-capping and per-head sinks; no bias, no
 scale (q comes pre-scaled). So masks reach it in kernel terms, never as a dense operand:
   - causal: `CausalMask` (top-left aligned, as the interface), blocks above it skipped;
+  - a sliding window (with or without causal): `LocalMask` over the same band, blocks outside
+    it skipped;
   - key padding (a boolean mask varying along batch and keys only) and kv_lengths: segment
-    ids, q id 1 and kv id 1 where the key is kept, 0 where it is not;
+    ids, q id 1 and kv id 1 where the key is kept, 0 where it is not; the call's own segment
+    ids (packed sequences) as they are, a hidden key's id made one no query has;
   - lengths: padded up to a multiple of 128, padded keys masked with those segment ids; blocks
     of 512/256/128 chosen per padded length;
   - GQA/MQA: K/V heads stay as they are (no repeat);
@@ -31,6 +34,7 @@ import numpy as np
 from hlotool import jaxcompat
 from hlotool.kernels._upstream import PaddedTpuKernel, block_for, padded_length, probe
 from hlotool.kernels.base import (
+    CAUSAL,
     Call,
     Features,
     KernelCost,
@@ -54,7 +58,7 @@ class SplashTpu(PaddedTpuKernel):
     name = "splash_tpu"
     platforms = ("tpu",)
     hidden_logit = _MASKED
-    extras = frozenset({"softcap", "sinks"})
+    extras = frozenset({"softcap", "sinks", "window", "segments"})
 
     def __init__(self, interpret: bool = False) -> None:
         self.interpret = interpret
@@ -62,7 +66,8 @@ class SplashTpu(PaddedTpuKernel):
             UPSTREAM, "make_splash_mha",
             ("mask", "block_sizes", "attn_logits_soft_cap", "head_shards", "q_seq_shards",
              "interpret"),
-            ("BlockSizes", "CausalMask", "FullMask", "MultiHeadMask", "SegmentIds"),
+            ("BlockSizes", "CausalMask", "FullMask", "LocalMask", "MultiHeadMask",
+             "SegmentIds"),
         )
 
     def _check(self, site: AttentionSite, features: Features) -> Support:
@@ -104,7 +109,13 @@ class SplashTpu(PaddedTpuKernel):
             keys = jnp.pad(call.mask[:, 0, 0, :], ((0, 0), (0, lk_p - lk)))
             keep = keep & keys
         segment_ids = None
-        if call.kv_lengths is not None or call.mask is not None or lk_p != lk:
+        if call.segments is not None:
+            q_ids, kv_ids = call.segments
+            absent = jnp.minimum(jnp.min(q_ids), jnp.min(kv_ids)) - 1  # no query's id
+            q_ids = jnp.pad(q_ids, ((0, 0), (0, lq_p - lq)), constant_values=0)
+            kv_ids = jnp.pad(kv_ids, ((0, 0), (0, lk_p - lk)))
+            segment_ids = sa.SegmentIds(q=q_ids, kv=jnp.where(keep, kv_ids, absent))
+        elif call.kv_lengths is not None or call.mask is not None or lk_p != lk:
             segment_ids = sa.SegmentIds(q=jnp.ones((b, lq_p), jnp.int32),
                                         kv=keep.astype(jnp.int32))
 
@@ -117,7 +128,13 @@ class SplashTpu(PaddedTpuKernel):
                                block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
                                block_kv_dq=bk)
         shape = (lq_p, lk_p)
-        per_head = sa.CausalMask(shape) if call.causal else sa.FullMask(shape)
+        band = call.band
+        if band is None:
+            per_head = sa.FullMask(shape)
+        elif band == CAUSAL:
+            per_head = sa.CausalMask(shape)
+        else:
+            per_head = sa.LocalMask(shape, window_size=band, offset=0)
         kernel = sa.make_splash_mha(
             sa.MultiHeadMask([per_head] * hq), block_sizes=blocks,
             attn_logits_soft_cap=call.softcap, head_shards=1, q_seq_shards=1,

@@ -27,8 +27,16 @@ import numpy as np
 
 from hlotool.errors import HlotoolError
 from hlotool.passes import axes, masks
-from hlotool.passes.logits import Logits, replay
-from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, fold, strip, uniform_value
+from hlotool.passes.logits import Logits, half_ulp, replay
+from hlotool.passes.graph import (
+    LAYOUT_OPS,
+    Graph,
+    Node,
+    compares_with_constant,
+    fold,
+    strip,
+    uniform_value,
+)
 from hlotool.passes.pattern import Alt, Any, Chain, Const, Link, Op, Same, Step, Through
 from hlotool.site import AttentionSite
 
@@ -36,6 +44,10 @@ from hlotool.site import AttentionSite
 # most this above it. Whether it hides those keys outright is the lowering's question
 # (`passes/lower.py`): only -inf does; any finite value stays in the program as a bias.
 LARGE_NEGATIVE = -1e4
+# `s + F` reads as the mask F only where |s| stays under half F's ulp (`_bias_as_mask`): worth
+# reading so only when that holds for any logit real models reach (finfo.min in float32:
+# 1e31; -1e9 in float32: 32, which fails at once; in bfloat16: 2^20).
+LOGIT_BOUND = 1e4
 
 
 def _fill(v: float) -> bool:
@@ -134,9 +146,13 @@ class MaskTerm:
 
     kind "causal": built from constants alone and equal to tril (query i sees keys ≤ i), as a
     select (`via` "mask") or as an additive constant (`via` "bias": 0 on and below the
-    diagonal, `fill` the largest value above it). kind "additive": `scores + sign * operand`.
-    kind "boolean": `where(operand == keep_when, scores, fill)`. Two kinds act beside the
-    logits: "post", `where(operand == keep_when, probs, 0)` after the softmax, and "sinks",
+    diagonal, `fill` the largest value above it). kind "window": the same for any band,
+    query i sees keys i - left ≤ j ≤ i + right (`window` = (left, right), None for an
+    unbounded side): sliding windows, causal aligned elsewhere than top-left. kind
+    "additive": `scores + sign * operand`.
+    kind "boolean": `where(operand == keep_when, scores, fill)`. Three kinds act beside the
+    logits: "post", `where(operand == keep_when, probs, 0)` after the softmax, "dropout",
+    `probs * operand` (a scaled boolean: `from_bits`), and "sinks",
     the operand concatenated as one more logit column (its K axis is 1). `operand` is the node
     as the program holds it (None for a causal select); `scores_layout` maps
     `broadcast_to(operand, scores_layout.shape)` to [B, Hq, Lq, Lk]. That shape is the `at`
@@ -154,6 +170,10 @@ class MaskTerm:
     keep_when: bool = True
     key_lengths: Node | None = None  # where `operand` is iota(key) < lengths[..., None]
     via: str = "mask"  # "mask" (a select) or "bias" (an add/sub)
+    window: masks.Window | None = None  # kind "window": (left, right)
+    # Read from an additive select(m, 0, F) (`_bias_as_mask`): hidden keys get s + F, which
+    # is F when |s| is below half F's ulp; `lower` checks that at run time.
+    rounds_to_fill: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +405,8 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
 
     scale = q_scale * k_scale
     masks, steps, beside = [], [], []
+    biases = sum(link.kind == "bias" for link in logits_links)
+    masked, exact_step = False, None  # exact_step: a bias read as a mask, as the bias it is
     last = None  # "sinks" or "shift" once one is seen: only layout ops (and a shift) follow
     for at, link in reversed(list(enumerate(logits_links))):  # program order
         node = link.node
@@ -424,6 +446,19 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
             steps.append(LogitStep("scale", node.dtype, node.op, value))
         elif link.kind in ("bias", "mask"):
             labels_here = _follow(logits_links[at + 1:], score_labels)
+            # The one bias of a chain with no mask before it (a mask's fill plus F would be
+            # another hidden logit) may read as a mask.
+            read_as_mask = (_bias_as_mask(link, labels_here, roles, position, scores)
+                            if link.kind == "bias" and biases == 1 and not masked else None)
+            masked = masked or link.kind == "mask"
+            if read_as_mask:
+                exact = _mask_term(link, labels_here, roles)
+                beside.append(dataclasses.replace(exact, kind="exact_bias"))
+                exact_step = LogitStep("bias", node.dtype, term=exact)
+                for term in read_as_mask:
+                    masks.append(term)
+                    steps.append(LogitStep("mask", node.dtype, term=term))
+                continue
             for term in (_conjuncts(link, labels_here, roles, position, scores)
                          or [_mask_term(link, labels_here, roles)]):
                 masks.append(term)
@@ -465,8 +500,12 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         labels_here = _follow(probs_links[at + 1:], logits_labels)
         shape = _broadcast_shape(factor, len(link.node.shape))
         if any(key_token in labels_here[a] and n != 1 for a, n in enumerate(shape)):
-            raise _Reject("the probabilities are multiplied by a tensor that varies along the "
-                          "keys (dropout, or a mask applied after the softmax)")
+            if not from_bits(factor):
+                raise _Reject("the probabilities are multiplied by a tensor that varies along "
+                              "the keys and is not a scaled boolean (dropout's keep / keep_prob)")
+            beside.append(MaskTerm("dropout", link.node, factor, shape,
+                                   roles.layout(link.node.shape, labels_here, "BHLK")))
+            continue
         multipliers.append(Multiplier(link.node, factor, shape,
                                       roles.layout(link.node.shape, labels_here, "BHLK")))
     if sinks is not None and not dropped:
@@ -478,6 +517,25 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     has_scale = (q_scale != 1.0 or k_scale != 1.0 or before_split != 1.0
                  or any(link.kind == "scale" for link in logits_links))
     chain = replay(steps)
+    if exact_step is not None:
+        # Where the mask reading fails (replay refuses it, or lower's run-time check), the
+        # chain as the program writes it.
+        exact_steps, placed = [], False
+        for t in steps:
+            if t.term is not None and t.term.rounds_to_fill:
+                if not placed:
+                    exact_steps.append(exact_step)
+                placed = True
+                continue
+            exact_steps.append(t)
+        exact = replay(exact_steps)
+        if chain.refusal is not None:
+            chain = exact
+        elif chain.checks:
+            chain = dataclasses.replace(chain, exact=exact)
+        if chain is exact:
+            masks = [t for t in masks if not t.rounds_to_fill] + [exact_step.term]
+            beside = [t for t in beside if t.kind != "exact_bias"]
     if chain.refusal is None:
         # What the chain makes of each term: an additive causal constant that does not end
         # -inf is an additive bias.
@@ -485,6 +543,9 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     kinds = [t.kind for t in masks]
     masks += beside
     kind = next((k for k in ("additive", "boolean", "causal") if k in kinds), "none")
+    window = chain.window if chain.refusal is None else None
+    if kind == "none" and window is not None:
+        kind = "causal" if chain.causal else "local"
     reported = next((t for t in masks if t.kind == kind), None)
     internals = {name: m[name] for name in ("scores", "logits", "row_max", "exp", "row_sum",
                                            "probs") if name in m}
@@ -492,12 +553,15 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         batch=b, q_len=lq, kv_len=lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
         v_head_dim=dv, dtype=q_entry.dtype, scale=scale * before_split if has_scale else None,
         mask=kind,
-        mask_shape=reported.shape if reported is not None and kind != "causal" else None,
+        mask_shape=reported.shape if reported is not None and kind in ("additive", "boolean")
+        else None,
         mask_fill=chain.fill if chain.refusal is None and chain.masks else None,
         mask_axes=_varying_axes([t for t in masks if t.kind in ("additive", "boolean")]),
         multiplier_shape=multipliers[0].shape if multipliers else None,
         softcap=chain.softcap, post_mask=any(t.kind == "post" for t in beside),
-        sinks=sinks is not None,
+        dropout=any(t.kind == "dropout" for t in beside),
+        sinks=sinks is not None, window=window,
+        segments=any(t.kind == "segment_q" for t in masks),
         q_shape=q_entry.shape, k_shape=k_entry.shape, v_shape=v_entry.shape,
         layout=q_layout.roles, softmax_dtype=m["exp"].dtype, function=function,
         source=scores.source or out.source,
@@ -515,6 +579,26 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         logits=chain, multipliers=tuple(multipliers), body=_body(out, stops),
         internals=internals,
     )
+
+
+def from_bits(factor: Node) -> bool:
+    """Whether `factor` is a boolean scaled by constants (`keep.astype(p.dtype) / keep_prob`):
+    dropout's multiplier, through which no gradient flows (the kernels pass it none)."""
+    node = factor
+    while True:
+        if node.dtype == "bool":
+            return True
+        if node.op in ("convert", "copy", "broadcast", "reshape", "transpose"):
+            node = node.inputs[0]
+        elif node.op in ("mul", "div") and uniform_value(node.inputs[1]) is not None:
+            node = node.inputs[0]
+        elif node.op == "mul" and uniform_value(node.inputs[0]) is not None:
+            node = node.inputs[1]
+        elif node.op == "select" and node.inputs[0].dtype == "bool" and all(
+                uniform_value(x) is not None for x in node.inputs[1:]):
+            return True
+        else:
+            return False
 
 
 def _varying_axes(terms: list[MaskTerm]) -> str | None:
@@ -799,24 +883,42 @@ class _Roles:
 def _conjuncts(link: Link, labels: axes.Labels, roles: _Roles, position: dict[int, int],
                scores: Node) -> list[MaskTerm] | None:
     """`where(a & b & ..., s, fill)` (or `where(~(a & b), fill, s)`) as one term per factor,
-    when a factor is a causal mask
-    read from its structure (`jnp.tril(...) & padding`, gemma's and HF's masks): the kernel
-    then skips blocks for the causal factor and reads the others as they are, small (a key
-    padding mask stays [B, 1, 1, Lk]). None when the mask is no such AND."""
+    when a factor is a causal mask or a window read from its structure (`jnp.tril(...) &
+    padding`, gemma's and HF's masks) or segment ids: the kernel then skips blocks for a band,
+    compares ids per tile and reads the other factors as they are, small (a key padding mask
+    stays [B, 1, 1, Lk]). None when the mask has no such factor."""
     if link.kind != "mask":
         return None
-    node, (pred, fill_node) = link.node, link.sides
-    fill = uniform_value(fill_node)
+    pred, fill_node = link.sides
     keep = link.chain_input == 1  # where(~(a & b), fill, s) keeps where a & b
-    while pred.op in ("convert", "copy", "broadcast", "reshape", "not"):
+    return _factors(link.node, pred, keep, uniform_value(fill_node), labels, roles, position,
+                    scores, need_band=True)
+
+
+def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
+             roles: _Roles, position: dict[int, int], scores: Node, *, need_band: bool,
+             rounds_to_fill: bool = False) -> list[MaskTerm] | None:
+    """The terms of a boolean `pred` (True = `keep`) hiding keys with `fill`, one per factor
+    of an AND, seen through layout ops, `not` and `x > 0` of a cast boolean (`labels` are
+    `pred`'s). None when a factor depends on the scores, or (`need_band`) none is in kernel
+    terms (a band or segment ids)."""
+    while pred.op in ("convert", "copy", "broadcast", "reshape", "not", "compare"):
         if pred.op == "not":
             keep, pred = not keep, pred.inputs[0]
+            continue
+        if pred.op == "compare":  # flax's combine_masks(...) > 0: a boolean cast to float
+            x, zero = pred.inputs
+            inner = strip(x, ("convert", "copy"))
+            if (pred.params["direction"] not in ("gt", "ne") or uniform_value(zero) != 0.0
+                    or inner.dtype != "bool" or inner.shape != pred.shape):
+                break
+            pred = inner
             continue
         step = axes.backward(pred, labels) if pred.op != "convert" else (labels, [])
         if step is None:
             return None
         labels, pred = step[0], pred.inputs[0]
-    if not keep or pred.op != "and":
+    if not keep:
         return None
 
     def fits(n: Node) -> bool:  # jaxpr's `and` broadcasts unit axes of equal-rank operands
@@ -825,7 +927,9 @@ def _conjuncts(link: Link, labels: axes.Labels, roles: _Roles, position: dict[in
 
     leaves, stack = [], [pred]
     while stack:
-        n = strip(stack.pop(), ("convert", "copy"))
+        n = stack.pop()
+        while n.op in ("convert", "copy") and n.inputs[0].dtype == "bool":
+            n = n.inputs[0]  # a cast from a number is the factor itself: x != 0
         if n.op == "and" and fits(n):
             stack.extend(reversed(n.inputs))
         elif fits(n):
@@ -833,23 +937,111 @@ def _conjuncts(link: Link, labels: axes.Labels, roles: _Roles, position: dict[in
         else:
             return None
     qk = _qk_axes(labels, roles)
-    terms, causal = [], False
+    terms, structural = [], False
     for leaf in leaves:
         if uniform_value(leaf) == 1:  # `ones & mask` (jax.nn.dot_product_attention)
             continue
-        if (qk is not None and all(leaf.shape[a] == pred.shape[a] for a in qk)
-                and masks.causal_offset(leaf, *qk) == 0):
-            causal = True
-            if not any(t.kind == "causal" for t in terms):
-                terms.append(MaskTerm("causal", node, None, (1,) * len(pred.shape),
-                                      roles.layout(pred.shape, labels, "BHLK"), fill=fill))
+        window = None
+        if qk is not None and all(leaf.shape[a] == pred.shape[a] for a in qk):
+            found = masks.band(leaf, *qk)
+            if found is None:
+                found = _folded_band(leaf, qk)
+            window = masks.window(found, pred.shape[qk[0]], pred.shape[qk[1]])
+        if window is not None:
+            structural = True
+            kind = "causal" if window == masks.CAUSAL else "window"
+            if not any(t.kind == kind and t.window == window for t in terms):
+                terms.append(MaskTerm(kind, at, None, (1,) * len(pred.shape),
+                                      roles.layout(pred.shape, labels, "BHLK"), fill=fill,
+                                      window=None if kind == "causal" else window,
+                                      rounds_to_fill=rounds_to_fill))
             continue
         if _depends_on(leaf, scores, position):
             return None
         space = roles.layout(leaf.shape, labels, "BHLK")
-        terms.append(MaskTerm("boolean", node, leaf, _broadcast_shape(leaf, len(leaf.shape)),
-                              space, fill=fill))
-    return terms if causal else None
+        segments = _segments(leaf, space, at, fill, rounds_to_fill)
+        if segments is not None:
+            structural = True
+            terms += segments
+            continue
+        terms.append(MaskTerm("boolean", at, leaf, _broadcast_shape(leaf, len(leaf.shape)),
+                              space, fill=fill, rounds_to_fill=rounds_to_fill))
+    if need_band and not structural:
+        return None
+    return terms or None
+
+
+def _segments(leaf: Node, space: Layout, at: Node, fill: float, rounds_to_fill: bool
+              ) -> list[MaskTerm] | None:
+    """`q_ids[:, :, None] == kv_ids[:, None, :]` (packed sequences) as two terms, "segment_q"
+    and "segment_kv", whose operands vary along batch and queries, and batch and keys: the
+    kernels compare ids per tile instead of reading an [Lq, Lk] mask. None for another
+    leaf."""
+    if leaf.op != "compare" or leaf.params.get("direction") != "eq":
+        return None
+    for sides in (leaf.inputs, leaf.inputs[::-1]):
+        terms = []
+        for side, kind, along in zip(sides, ("segment_q", "segment_kv"), ("Q", "K")):
+            term = MaskTerm(kind, at, side, _broadcast_shape(side, len(side.shape)), space,
+                            fill=fill, rounds_to_fill=rounds_to_fill)
+            varying = _varying_axes([term]) or ""
+            if (side.dtype.startswith(("int", "uint")) and along in varying
+                    and set(varying) <= {"B", along}):
+                terms.append(term)
+        if len(terms) == 2:
+            return terms
+    return None
+
+
+def _folded_band(leaf: Node, qk: tuple[int, int]) -> masks.Band | None:
+    """The band of a constant boolean leaf (a mask computed outside the traced function),
+    from its values: the same along every other axis, and True exactly where lo <= j - i <=
+    hi."""
+    value = fold(leaf)
+    if value is None or value.dtype != np.bool_:
+        return None
+    value = np.broadcast_to(value, leaf.shape)
+    plane = value[tuple(slice(None) if a in qk else 0 for a in range(value.ndim))]
+    if not np.array_equal(np.broadcast_to(np.expand_dims(plane, tuple(
+            a for a in range(value.ndim) if a not in qk)), value.shape), value):
+        return None
+    if qk[0] > qk[1]:
+        plane = plane.T
+    if not plane.any():
+        return None
+    i, j = np.indices(plane.shape)
+    lo, hi = int(np.min((j - i)[plane])), int(np.max((j - i)[plane]))
+    if not np.array_equal(plane, (j - i >= lo) & (j - i <= hi)):
+        return None
+    return lo, hi
+
+
+def _bias_as_mask(link: Link, labels: axes.Labels, roles: _Roles, position: dict[int, int],
+                  scores: Node) -> list[MaskTerm] | None:
+    """`s + select(m, 0, F)` with F very negative (Hugging Face's and flax's padding and
+    causal biases, F = finfo.min) as the mask `where(m, s, F)` it almost is: hidden keys get
+    s + F, which is F exactly when |s| is below half of F's ulp. `lower` checks that at run
+    time and computes the additive form where it fails. None for any other bias."""
+    if link.node.op != "add":
+        return None
+    side = link.sides[0]
+    while side.op in ("convert", "copy", "broadcast", "reshape"):
+        step = axes.backward(side, labels) if side.op != "convert" else (labels, [])
+        if step is None:
+            return None
+        labels, side = step[0], side.inputs[0]
+    if side.op != "select" or side.dtype == "bool":
+        return None
+    pred, on_true, on_false = side.inputs
+    values = uniform_value(on_true), uniform_value(on_false)
+    if 0.0 not in values or None in values:
+        return None
+    fill = values[1] if values[0] == 0.0 else values[0]
+    if fill != -math.inf and not (fill <= LARGE_NEGATIVE
+                                  and half_ulp(fill, link.node.dtype) >= LOGIT_BOUND):
+        return None
+    return _factors(link.node, pred, values[0] == 0.0, fill, labels, roles, position, scores,
+                    need_band=False, rounds_to_fill=True)
 
 
 def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
@@ -865,12 +1057,16 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
         keep_when = link.chain_input == 1
     shape = _broadcast_shape(operand, len(node.shape))
     kind = "additive" if link.kind == "bias" else "boolean"
-    structural = _structural_causal(operand, node, labels, roles, link.kind, sign, keep_when)
+    structural = _structural_band(operand, node, labels, roles, link.kind, sign, keep_when)
     if structural is not None:  # read from iotas and compares: any length
+        window, value = structural
+        band_kind = "causal" if window == masks.CAUSAL else "window"
+        window = None if band_kind == "causal" else window
         if link.kind == "mask":
-            return MaskTerm("causal", node, None, shape, scores_layout, fill=fill)
-        return MaskTerm("causal", node, operand, shape, scores_layout, sign=sign,
-                        fill=structural, via="bias")
+            return MaskTerm(band_kind, node, None, shape, scores_layout, fill=fill,
+                            window=window)
+        return MaskTerm(band_kind, node, operand, shape, scores_layout, sign=sign,
+                        fill=value, via="bias", window=window)
     value = fold(operand)
     if value is not None and _is_causal(value, node, labels, roles, link.kind, sign, keep_when):
         if link.kind == "mask":
@@ -883,21 +1079,25 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
                     via=link.kind)
 
 
-def _structural_causal(operand: Node, node: Node, labels: axes.Labels, roles: _Roles,
-                       kind: str, sign: float, keep_when: bool) -> float | None:
-    """For a causal mask read from its structure (`passes/masks.py`): the select's fill is
-    already known, so 0.0; for an additive one, the value it adds above the diagonal. None
-    when the structure does not show a top-left causal mask."""
+def _structural_band(operand: Node, node: Node, labels: axes.Labels, roles: _Roles,
+                     kind: str, sign: float, keep_when: bool
+                     ) -> tuple[masks.Window, float] | None:
+    """For a band mask read from its structure (`passes/masks.py`): its window and, for an
+    additive one, the value it adds outside the band (0.0 for a select, whose fill is known
+    already). None when the structure shows no band."""
     qk = _qk_axes(labels, roles)
     if qk is None or len(operand.shape) != len(node.shape) or any(
             a not in (1, b) for a, b in zip(operand.shape, node.shape)):
         return None
+    lq, lk = node.shape[qk[0]], node.shape[qk[1]]
     if kind == "mask":
-        return 0.0 if masks.causal_offset(operand, *qk, hides=not keep_when) == 0 else None
-    found = masks.causal_bias(operand, *qk)
-    if found is None or found[0] != 0 or sign * found[1] > LARGE_NEGATIVE:
+        window = masks.window(masks.band(operand, *qk, hides=not keep_when), lq, lk)
+        return None if window is None else (window, 0.0)
+    found = masks.band_bias(operand, *qk)
+    if found is None or sign * found[1] > LARGE_NEGATIVE:
         return None
-    return sign * found[1]
+    window = masks.window(found[0], lq, lk)
+    return None if window is None else (window, sign * found[1])
 
 
 def _broadcast_shape(operand: Node, rank: int) -> tuple[int, ...]:
@@ -908,7 +1108,7 @@ def _broadcast_shape(operand: Node, rank: int) -> tuple[int, ...]:
     axis_map = list(range(rank))  # current axis -> score axis
     node = operand
     while True:
-        if node.op in ("convert", "copy", "stop_gradient"):
+        if node.op in ("convert", "copy", "stop_gradient") or compares_with_constant(node):
             node = node.inputs[0]
         elif node.op == "broadcast":
             axis_map = [axis_map[d] for d in node.params["dims"]]

@@ -22,7 +22,7 @@ from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
 from hlotool.passes.attention import Layout, Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, as_product
+from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, as_product, compares_with_constant
 from hlotool.site import AttentionSite
 from hlotool.source import user_source
 
@@ -218,8 +218,8 @@ class OperandVar:
 class MaskVar:
     """A mask in kernel terms (see `attention.MaskTerm`), with jaxpr variables.
 
-    kind "causal": the kernel's causal flag; `var` is None for a select, the constant's own
-        variable for an additive causal constant.
+    kind "causal" / "window": the kernel's causal flag and window (read from the logits
+        chain); `var` is None for a select, the constant's own variable for an additive one.
     kind "additive": scores + sign * m; kind "boolean": where(m == keep_when, scores, fill);
         m is the operand as `passes.lower.scores_operand` brings the value of `var` to the
         scores; `key_lengths` is set when the mask is iota(Lk) < lengths[..., None].
@@ -240,15 +240,17 @@ class MaskVar:
 
 
 def _visible(node: Node | None, level: Path) -> tuple[Any | None, tuple[Node, ...]]:
-    """(var, layout ops to replay) for the earliest value, through layout ops, of `node`
-    that is visible at `level`: the user's own mask or bias rather than its broadcast."""
+    """(var, layout ops to replay) for the earliest value, through layout ops (and
+    comparisons with a constant, `mask != 0`), of `node` that is visible at `level`: the
+    user's own mask or bias rather than its broadcast."""
     found: tuple[Any | None, tuple[Node, ...]] = (None, ())
     replay: list[Node] = []
     while node is not None:
         var = node.ref.var_at(level) if isinstance(node.ref, JaxprRef) else None
         if var is not None:
             found = (var, tuple(reversed(replay)))
-        if node.op not in ("broadcast", "transpose", "reshape", "convert") or not node.inputs:
+        if not node.inputs or not (node.op in ("broadcast", "transpose", "reshape", "convert")
+                                   or compares_with_constant(node)):
             break
         replay.append(node)
         node = node.inputs[0]

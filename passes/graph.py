@@ -228,6 +228,12 @@ def _guard(x: np.ndarray) -> np.ndarray | None:
     return x if x.size <= MAX_FOLD_ELEMENTS else None
 
 
+def compares_with_constant(node: Node) -> bool:
+    """`x <op> c` for a constant c: elementwise, so it commutes with the broadcasts of x."""
+    return (node.op == "compare" and len(node.inputs) == 2
+            and uniform_value(node.inputs[1]) is not None)
+
+
 def uniform_value(node: Node) -> float | None:
     """The single value every element of a constant node holds, else None."""
     source = strip(node, ("broadcast", "convert", "reshape", "copy"))

@@ -22,9 +22,9 @@ Where the chain has no such form, `replay` says why, and the site stays native:
   - a bias before the tanh (the kernel caps the scores alone), or a second tanh.
 A mask before the tanh is replayed through it: its hidden keys end with the finite logit
 c·tanh(fill·…), a soft mask the kernels implement exactly.
-An additive causal constant (0 on and below the diagonal, very negative above) hides keys only
-when its value ends -inf; otherwise C·s + b still depends on the scores there, so it is kept as
-what it is, an additive bias.
+An additive causal constant (0 on and below the diagonal, very negative above; or 0 inside any
+band, a sliding window) hides keys only when its value ends -inf; otherwise C·s + b still
+depends on the scores there, so it is kept as what it is, an additive bias.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ import numpy as np
 if TYPE_CHECKING:
     from hlotool.passes.attention import LogitStep, MaskTerm
 
+# Mask terms read from their structure, applied as a select or as an additive constant.
+STRUCTURAL = ("causal", "window")
+
 
 @dataclasses.dataclass(frozen=True)
 class Logits:
@@ -48,6 +51,8 @@ class Logits:
     masks: the select terms hiding keys, in program order (boolean operands, causal selects)
     and additive causal constants that end -inf.
     causal: some term hides the keys above the diagonal.
+    window: (left, right) of the band the "window" terms leave visible (their intersection;
+    None for an unbounded side), or None without one.
     fill: F, the logit of a hidden key; -inf when there is no mask.
     softcap: c of the soft-cap c·tanh(x / c) (positive), or None without a tanh.
     refusal: why the chain has no kernel form (then the rest is meaningless), or None.
@@ -59,6 +64,13 @@ class Logits:
     causal: bool
     fill: float
     softcap: float | None = None
+    window: tuple[int | None, int | None] | None = None
+    # For masks read from an additive select(m, 0, F) (`MaskTerm.rounds_to_fill`): (F as the
+    # program adds it, that add's dtype, the chain's scale before it); the reading is exact
+    # when C·|q·k| stays below half F's ulp (C: that scale times q's and k's pre-scaling).
+    checks: tuple[tuple[float, str, float], ...] = ()
+    exact: Logits | None = None  # the chain with those masks as the biases they are (or why
+    # it has no kernel form); None when there are no checks
     refusal: str | None = None
 
 
@@ -84,6 +96,16 @@ def _apply(dtype: str, op: str, x: float, c: float) -> float:
     return _in(dtype, float(y))
 
 
+def half_ulp(x: float, dtype: str) -> float:
+    """Half the spacing of `dtype`'s values just below |x| (a normal number; the binade under
+    it when |x| is a power of two): any y smaller in size leaves x + y = x under
+    round-to-nearest."""
+    import ml_dtypes  # installed with jax; numpy's finfo does not know bfloat16
+
+    mantissa = ml_dtypes.finfo(_np_dtype(dtype)).nmant
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 1 - mantissa) / 2
+
+
 def _fmt(x: float) -> str:
     return f"{x:g}"
 
@@ -94,6 +116,7 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
     cap = None  # the product of the scale steps after the tanh
     biases: list[list] = []  # [term, multiplier, replayed value of an additive causal]
     hides: list[list] = []  # [term, replayed fill]
+    checks: set[tuple[float, str, float]] = set()
     for step in steps:
         if step.kind == "softcap":
             if cap is not None:
@@ -123,6 +146,9 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
                     entry[2] = _in(step.dtype, entry[2])
         elif step.kind == "mask":
             hides.append([step.term, _in(step.dtype, step.term.fill)])
+            if step.term.rounds_to_fill and math.isfinite(step.term.fill):
+                # s + -inf is -inf for any finite s: only a finite F needs the check.
+                checks.add((_in(step.dtype, step.term.fill), step.dtype, scale))
         elif step.kind == "bias":
             soft = [entry[1] for entry in hides if math.isfinite(entry[1])]
             if soft:
@@ -130,7 +156,7 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
                                 f"finite logit {_fmt(soft[0])}: their logits would differ per key")
             term = step.term
             causal_value = None
-            if term.kind == "causal":
+            if term.kind in STRUCTURAL:
                 causal_value = _in(step.dtype, term.fill)
             biases.append([term, term.sign, causal_value])
     kept = []
@@ -138,8 +164,8 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
         if causal_value is not None and causal_value == -math.inf:
             hides.append([term, -math.inf])
         else:
-            kept.append((dataclasses.replace(term, kind="additive") if term.kind == "causal"
-                         else term, multiplier))
+            kept.append((dataclasses.replace(term, kind="additive", window=None)
+                         if term.kind in STRUCTURAL else term, multiplier))
     fills = {entry[1] for entry in hides}
     bad = [f for f in fills if math.isnan(f) or f == math.inf]
     if bad:
@@ -153,10 +179,24 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
         return _refused(f"the scores are scaled by {_fmt(scale)}")
     if cap is not None and not (math.isfinite(cap) and cap != 0):
         return _refused(f"the tanh soft-cap is scaled by {_fmt(cap)}")
+    window = _intersection([t.window for t, _ in hides if t.kind == "window"]
+                           + [(None, 0)] * any(t.kind == "causal" for t, _ in hides))
+    causal = window == (None, 0) or (window is not None and window[1] == 0)
     return Logits(scale=scale, biases=tuple(kept), masks=tuple(t for t, _ in hides),
-                  causal=any(t.kind == "causal" for t, _ in hides),
+                  causal=causal,
                   fill=fills.pop() if fills else -math.inf,
-                  softcap=None if cap is None else abs(cap))
+                  softcap=None if cap is None else abs(cap),
+                  window=None if window == (None, 0) else window,
+                  checks=tuple(sorted(checks)))
+
+
+def _intersection(windows: list[tuple[int | None, int | None]]
+                  ) -> tuple[int | None, int | None] | None:
+    """The band every window leaves visible; None when there is none, or it is unbounded."""
+    if not windows:
+        return None
+    sides = [min((w[s] for w in windows if w[s] is not None), default=None) for s in (0, 1)]
+    return None if sides == [None, None] else (sides[0], sides[1])
 
 
 def _refused(reason: str) -> Logits:

@@ -28,10 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hlotool.kernels.base import Call, Features, make_call, visible_keys
+from hlotool.kernels.base import Call, Features, make_call, row_has_key, visible_keys
 from hlotool.passes.attention import Layout
 from hlotool.passes.axes import reshape_groups
 from hlotool.passes.from_jaxpr import JaxprSite, MaskVar
+from hlotool.passes.graph import uniform_value
+from hlotool.passes.logits import half_ulp
 from hlotool.passes.rewrite import RewriteError
 
 
@@ -40,11 +42,12 @@ class KernelForm:
     """What a kernel call needs to know about a site before seeing any value.
 
     scale: C in `where(visible, cap(C·q·kᵀ) + bias, fill)`; causal: hide keys above the
-    diagonal; fill: the logit of a hidden key; softcap: c of cap = c·tanh(x / c), or None;
-    biases: (operand, multiplier), summed into the bias; masks: boolean operands, ANDed into
-    the mask; nan_rows: whether rows can be all -inf; multipliers: factors of the output
-    (operands brought to [B, Hq, Lq, 1]); post_masks: `where(m, p, 0)` operands after the
-    softmax, ANDed; sinks: the sink logits' operand, or None.
+    diagonal; window: (left, right) of a sliding window, or None; fill: the logit of a hidden
+    key; softcap: c of cap = c·tanh(x / c), or None; biases: (operand, multiplier), summed
+    into the bias; masks: boolean operands, ANDed into the mask; nan_rows: whether rows can be
+    all -inf; multipliers: factors of the output (operands brought to [B, Hq, Lq, 1]);
+    post_masks: after the softmax, `where(m, p, 0)` operands (ANDed) and dropout's `p * m`
+    (kind "dropout", multiplied); sinks: the sink logits' operand, or None.
     """
 
     scale: float
@@ -57,6 +60,13 @@ class KernelForm:
     softcap: float | None = None
     post_masks: tuple[MaskVar, ...] = ()
     sinks: MaskVar | None = None
+    window: tuple[int | None, int | None] | None = None
+    segments: tuple[MaskVar, MaskVar] | None = None  # (q ids, kv ids) of packed sequences
+    # Biases read as masks (`Logits.checks`): (F, the add's dtype, |C| before it), and the
+    # form computing the site without that reading, for calls `reads_as_mask` rejects (None:
+    # no kernel form has it, a bias before a soft-cap say; then the site's own equations).
+    checks: tuple[tuple[float, str, float], ...] = ()
+    fallback: KernelForm | None = None
 
     @property
     def features(self) -> Features:
@@ -64,14 +74,17 @@ class KernelForm:
         a causal mask with a boolean one)."""
         return Features(causal=self.causal, bias=bool(self.biases), mask=bool(self.masks),
                         finite_fill=math.isfinite(self.fill),
-                        softcap=self.softcap is not None, post_mask=bool(self.post_masks),
-                        sinks=self.sinks is not None)
+                        softcap=self.softcap is not None,
+                        post_mask=any(m.kind == "post" for m in self.post_masks),
+                        dropout=any(m.kind == "dropout" for m in self.post_masks),
+                        sinks=self.sinks is not None, window=self.window is not None,
+                        segments=self.segments is not None)
 
     @property
     def operand_masks(self) -> tuple[MaskVar, ...]:
         """Every operand of the call but the biases, in a fixed order."""
         return (*self.masks, *self.multipliers, *self.post_masks,
-                *(() if self.sinks is None else (self.sinks,)))
+                *(() if self.sinks is None else (self.sinks,)), *(self.segments or ()))
 
     def signature(self) -> tuple:
         """Everything `operands` reads from the form, with operand variables left out: equal
@@ -80,12 +93,14 @@ class KernelForm:
             return (m.kind, m.at_shape, m.scores_layout, m.keep_when,
                     tuple((n.op, n.shape, n.dtype, repr(sorted(n.params.items())))
                           for n in m.replay))
-        return (self.scale, self.causal, self.fill, self.nan_rows, self.softcap,
+        return (self.scale, self.causal, self.window, self.fill, self.nan_rows, self.softcap,
                 tuple((var_free(m), mult) for m, mult in self.biases),
                 tuple(var_free(m) for m in self.masks),
                 tuple(var_free(m) for m in self.multipliers),
                 tuple(var_free(m) for m in self.post_masks),
-                None if self.sinks is None else var_free(self.sinks))
+                None if self.sinks is None else var_free(self.sinks), self.checks,
+                tuple(var_free(m) for m in self.segments or ()),
+                None if self.fallback is None else self.fallback.signature())
 
 
 def lower(site: JaxprSite) -> KernelForm:
@@ -98,21 +113,61 @@ def lower(site: JaxprSite) -> KernelForm:
     chain = site.match.logits
     if chain.refusal is not None:
         raise RewriteError(chain.refusal)
+    form = _form(site, chain)
+    if chain.checks:
+        # q·k times this stays below half F's ulp for the mask reading to be exact.
+        pre = site.scale / chain.scale if chain.scale else 0.0
+        checks = tuple((fill, dtype, abs(pre * before)) for fill, dtype, before in chain.checks)
+        exact = chain.exact
+        fallback = None if exact is None or exact.refusal is not None else _form(site, exact)
+        form = dataclasses.replace(form, checks=checks, fallback=fallback)
+    return form
+
+
+def _form(site: JaxprSite, chain) -> KernelForm:
     # Terms by where and what they apply (replay rewrites an additive causal into a new term;
     # the factors of an AND mask share their select).
     by_node = {(id(t.at), id(t.operand)): m for t, m in zip(site.match.masks, site.masks)}
     biases = tuple((by_node[id(t.at), id(t.operand)], mult) for t, mult in chain.biases)
     masks = tuple(by_node[id(t.at), id(t.operand)] for t in chain.masks if t.kind == "boolean")
+    segments = tuple(by_node[id(t.at), id(t.operand)] for t in chain.masks
+                     if t.kind in ("segment_q", "segment_kv"))
+    # A window can leave a row no key (a query past the keys' end); causal alone cannot.
+    hides_rows = bool(biases or masks or chain.window or segments)
     form = KernelForm(scale=site.scale, causal=chain.causal, fill=chain.fill, biases=biases,
-                      masks=masks, nan_rows=bool(biases or masks) and chain.fill == -math.inf,
+                      masks=masks, nan_rows=hides_rows and chain.fill == -math.inf,
+                      window=chain.window, segments=segments[:2] or None,
                       multipliers=site.multipliers, softcap=chain.softcap,
-                      post_masks=tuple(m for m in site.masks if m.kind == "post"),
+                      post_masks=tuple(m for m in site.masks if m.kind in ("post", "dropout")),
                       sinks=next((m for m in site.masks if m.kind == "sinks"), None))
     for m in (*(b for b, _ in form.biases), *form.operand_masks):
         if m.var is None:
             raise RewriteError(f"the {m.kind} operand is computed inside a call the site only "
                                "partly covers")
     return form
+
+
+def reads_as_mask(form: KernelForm, call: Call) -> jax.Array:
+    """bool scalar: whether every bias `form` reads as a mask (`KernelForm.checks`) computes
+    what the program does at this call, outputs and gradients:
+      - its hidden keys get exactly F: |C·q·k| ≤ C·max‖q‖·max‖k‖ (Cauchy-Schwarz, with room
+        for the program's own rounding of q·k) stays below half of F's ulp, so s + F rounds
+        to F; false on non-finite inputs, which the additive form handles as the program does;
+      - every row sees a key: in a row whose keys are all hidden the softmax is uniform both
+        ways, but autodiff of s + F passes that row's gradient on to q and k, where a mask
+        passes none."""
+    f32 = jnp.float32
+    q_norm = jnp.max(jnp.sqrt(jnp.sum(jnp.square(call.q.astype(f32)), axis=-1)))
+    k_norm = jnp.max(jnp.sqrt(jnp.sum(jnp.square(call.k.astype(f32)), axis=-1)))
+    ok = jnp.isfinite(q_norm * k_norm)
+    has_key = row_has_key(call)
+    if has_key is not None:
+        ok = ok & jnp.all(has_key)
+    for fill, dtype, scale in form.checks:
+        if fill == -math.inf:
+            continue  # s + -inf is -inf for any finite s
+        ok = ok & (2.0 * scale * q_norm * k_norm < half_ulp(fill, dtype))
+    return ok
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +190,20 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array]
     for m, mult in form.biases:
         x = scores_operand(m, values[m.var]).astype(jnp.float32) * mult
         bias = x if bias is None else bias + x
-    mask, post = _all_of(form.masks, values), _all_of(form.post_masks, values)
+    mask = _all_of(form.masks, values)
+    post = _all_of(tuple(m for m in form.post_masks if m.kind == "post"), values)
+    weights = _post_weights(form.post_masks, post, values)
     sinks = None if form.sinks is None else scores_operand(form.sinks, values[form.sinks.var])
     # A head mask multiplies the output: in f32, so that its gradient (a sum of dO·out over
     # B·Lq·Dv terms) is not computed from an output already rounded to bf16 or f16.
+    segment_ids = None
+    if form.segments is not None:  # [B|1, 1, Lq, 1] and [B|1, 1, 1, Lk] as [B, L]
+        b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
+        q_ids, kv_ids = (scores_operand(m, values[m.var]) for m in form.segments)
+        segment_ids = (jnp.broadcast_to(q_ids[:, :1, :, :1], (b, 1, lq, 1))[:, 0, :, 0],
+                       jnp.broadcast_to(kv_ids[:, :1, :1, :], (b, 1, 1, lk))[:, 0, 0, :])
     call = make_call(q, k, v, scale=form.scale, bias=bias, mask=mask, causal=form.causal,
-                     fill=form.fill, softcap=form.softcap, post_mask=post,
+                     window=form.window, segment_ids=segment_ids, fill=form.fill, softcap=form.softcap, post_mask=weights,
                      sinks=None if sinks is None else sinks.astype(jnp.float32),
                      out_dtype="float32" if form.multipliers else None)
     factors = tuple(scores_operand(m, values[m.var]) for m in form.multipliers)
@@ -156,6 +219,20 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array]
     if call.sinks is not None:  # a finite sink is a logit the row always has
         empty = empty & (call.sinks == -jnp.inf)
     return call, After(empty, factors)
+
+
+def _post_weights(post_masks: tuple[MaskVar, ...], keep: jax.Array | None,
+                  values: Mapping[Any, jax.Array]) -> jax.Array | None:
+    """The kernel's `post_mask`: `keep` (the AND of the boolean ones) alone, or with dropout's
+    multipliers their float32 product."""
+    dropout = [scores_operand(m, values[m.var]).astype(jnp.float32)
+               for m in post_masks if m.kind == "dropout"]
+    if not dropout:
+        return keep
+    out = dropout[0] if keep is None else jnp.where(keep, dropout[0], 0.0)
+    for x in dropout[1:]:
+        out = out * x
+    return out
 
 
 def _all_of(masks: tuple[MaskVar, ...], values: Mapping[Any, jax.Array]) -> jax.Array | None:
@@ -178,6 +255,10 @@ def restore(site: JaxprSite, out: jax.Array, after: After) -> jax.Array:
     return site.out_layout.from_canonical(out).astype(site.out.aval.dtype)
 
 
+_COMPARE = {"eq": jnp.equal, "ne": jnp.not_equal, "lt": jnp.less, "le": jnp.less_equal,
+            "gt": jnp.greater, "ge": jnp.greater_equal}
+
+
 def scores_operand(m: MaskVar, x: jax.Array) -> jax.Array:
     """A mask or bias operand `x` (the value of `m.var`) as a 4-D [B, Hq, Lq, Lk] operand with
     1 on every axis the program broadcast: `m.replay` is redone without materializing the
@@ -192,6 +273,8 @@ def scores_operand(m: MaskVar, x: jax.Array) -> jax.Array:
             x = x.transpose(node.params["perm"])
         elif node.op == "reshape":
             x = jnp.broadcast_to(x, node.inputs[0].shape).reshape(node.shape)
+        elif node.op == "compare":  # with a constant (`compares_with_constant`)
+            x = _COMPARE[node.params["direction"]](x, uniform_value(node.inputs[1]))
         else:
             x = x.astype(node.dtype)
     rank = len(m.at_shape)

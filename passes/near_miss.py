@@ -4,13 +4,13 @@ A candidate is two dots around an exp — `dot(f(exp(g(dot(...)))), ...)` — th
 detected site. Like XLA's `explain_os`, each says why, in user terms:
 
     a floor between the scores and the softmax
-    dropout on the probabilities (multiplied by a random keep mask)
+    random values multiply the probabilities (not dropout's keep / keep_prob)
     the second dot does not contract the key axis the softmax runs over
 
 Scores side (exp's input down to the first dot): the pattern's vocabulary is layout ops,
 scale, bias, mask, tanh and concatenate steps and the row max; the first op outside it is the
 reason. Probability side (exp up to the dot that reads it): layout ops, the normalization by
-exp's own sum, `where(m, p, 0)` and slices.
+exp's own sum, `where(m, p, 0)`, dropout's `p * (keep / keep_prob)` and slices.
 When both sides are clean, the pattern's own shape checks (`attention.rejection`) say why.
 """
 
@@ -20,7 +20,7 @@ import dataclasses
 from collections import defaultdict, deque
 from typing import Any, Sequence
 
-from hlotool.passes.attention import Match, rejection
+from hlotool.passes.attention import Match, from_bits, rejection
 from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, uniform_value
 
 # Ops the logits chain may hold between the scores' dot and the exp.
@@ -144,7 +144,8 @@ def _normalizes(user: Node, prev: Node, sums: set[int], users) -> bool:
         return True
     if user.op in ("div", "mul") and len(user.inputs) == 2:
         other = user.inputs[1] if user.inputs[0] is prev else user.inputs[0]
-        return _derives_from(other, sums)
+        # Dropout's keep / keep_prob is part of a site: what blocks is further on.
+        return _derives_from(other, sums) or (user.op == "mul" and from_bits(other))
     return False
 
 
@@ -156,7 +157,7 @@ def _probs_blocker(user: Node, prev: Node) -> str:
         if uniform_value(other) is not None:
             return "a scale after the softmax (the probabilities no longer sum to 1)"
         if _derives_from_random(other):
-            return "dropout on the probabilities (multiplied by a random keep mask)"
+            return "random values multiply the probabilities (not dropout's keep / keep_prob)"
         return ("the probabilities are multiplied by a tensor after the softmax (a head mask "
                 "or dropout)")
     return f"a {user.op} between the softmax and the value dot"

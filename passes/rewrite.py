@@ -28,6 +28,7 @@ import jax
 from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
 from hlotool.passes.from_jaxpr import JaxprSite, Path, subjaxpr
+from hlotool.passes.logits import STRUCTURAL
 
 # Computes a site's output [out var's shape] from the site's free inputs, keyed by variable.
 # A `scope` attribute names the site in profiles: the spliced call runs under that name
@@ -86,7 +87,7 @@ def check(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> None:
         if operand.var is None:
             raise RewriteError(f"{name} is computed inside a call the site only partly covers")
     for m in (*site.masks, *site.multipliers):
-        if m.kind != "causal" and m.var is None:
+        if m.kind not in STRUCTURAL and m.var is None:
             raise RewriteError(f"the {m.kind} operand is computed inside a call the site only "
                                "partly covers")
     if site.out is None:

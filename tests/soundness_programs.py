@@ -56,7 +56,7 @@ from hlotool.kernels import get
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 FILLS = ("-inf", "finfo.min", "-1e9", "-1e4", "-5")
 MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding",
-         "causal_and_padding")
+         "causal_and_padding", "band", "band_and_padding", "segments", "segments_and_causal")
 BIAS_SHAPES = ("k", "qk", "b11k", "1hqk", "bhqk")
 LOOKALIKES = ("softmax_over_queries", "softmax_where", "multiplicative_mask",
               "scale_after_softmax", "squared_softmax")
@@ -64,7 +64,7 @@ LOOKALIKES = ("softmax_over_queries", "softmax_where", "multiplicative_mask",
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    kind: str  # "scale" | "mask" | "bias" | "causal_bias" | "softcap"
+    kind: str  # "scale" | "mask" | "select_bias" | "bias" | "causal_bias" | "softcap"
     op: str = "mul"  # scale: mul/div
     value: float = 1.0  # scale: the constant; causal_bias: the value above the diagonal;
     # softcap: c of tanh(s / c) * c
@@ -74,6 +74,9 @@ class Step:
     empty_row: bool = False  # one query row sees no key
     shape: str = "qk"  # bias shape
     extreme: str = ""  # bias: "" | "-inf" | "finfo.min" entries
+    # mask "band" / "band_and_padding": (left, right), query i sees keys i - left .. i + right
+    # (None: unbounded), built in the program from iotas (abs(i - j) <= w when left == right)
+    window: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,7 @@ class Program:
     post_mask: str = ""  # "" | "same" (the first mask step's operand) | "data" | "mirrored"
     sinks: bool = False  # a sink logit per head, concatenated, dropped after the softmax
     shift: bool = False  # s - stop_gradient(max(s)) before the softmax
+    dropout: bool = False  # p * bernoulli(key, 0.8).astype / 0.8 after the softmax (HF, flax)
     seed: int = 0
 
     @property
@@ -115,13 +119,18 @@ class Program:
             out.append("sinks")
         if self.shift:
             out.append("shift")
+        if self.dropout:
+            out.append("dropout")
         for s in self.steps:
             if s.kind == "scale":
                 out.append("scale")
             elif s.kind == "softcap":
                 out.append("softcap")
-            elif s.kind == "mask":
-                out += [f"mask:{s.mask}", f"fill:{s.fill}"]
+            elif s.kind in ("mask", "select_bias"):
+                prefix = "mask" if s.kind == "mask" else "select_bias"
+                out += [f"{prefix}:{s.mask}", f"fill:{s.fill}"]
+                if s.window:
+                    out.append("window:" + ",".join(str(w) for w in s.window))
                 if s.empty_row:
                     out.append("empty_row")
             elif s.kind == "bias":
@@ -147,7 +156,11 @@ def _rounded(x: float, dtype) -> float:
 
 
 def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray:
-    """bool [B, 1, Lq, Lk] (True = attend)."""
+    """bool [B, 1, Lq, Lk] (True = attend); for segment masks int32 [B, Lq + Lk], the ids of
+    the queries then of the keys (runs of packed sequences)."""
+    if step.mask.startswith("segments"):
+        return np.concatenate([np.sort(rng.integers(0, 3, (p.b, n)), axis=1)
+                               for n in (p.lq, p.lk)], axis=1).astype(np.int32)
     i = np.arange(p.lq)[:, None]
     j = np.arange(p.lk)[None, :]
     if step.mask == "causal":
@@ -164,10 +177,24 @@ def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray:
             lengths[0] = 0
         m = (j < lengths[:, None, None, None])
     m = np.broadcast_to(m, (p.b, 1, p.lq, p.lk)).copy()
-    if step.mask == "causal_and_padding":
-        return m[:, :, :1, :]  # [B, 1, 1, Lk]: the program ANDs it with its own tril
+    if step.mask in ("causal_and_padding", "band_and_padding", "band"):
+        return m[:, :, :1, :]  # [B, 1, 1, Lk]: the program ANDs it with its own tril or band
     if step.empty_row and step.mask != "key_padding":
         m[0, 0, p.lq // 2] = False
+    return m
+
+
+def _band(window: tuple, p: Program):
+    """bool [Lq, Lk] built from iotas: i - left <= j <= i + right."""
+    i, j = jnp.arange(p.lq)[:, None], jnp.arange(p.lk)[None, :]
+    left, right = window
+    if left is not None and left == right:
+        return jnp.abs(i - j) <= left
+    m = jnp.ones((p.lq, p.lk), bool)
+    if right is not None:
+        m = m & (j <= i + right)
+    if left is not None:
+        m = m & (i - j <= left)
     return m
 
 
@@ -201,7 +228,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
     v = rng.standard_normal((p.b, p.lk, p.hkv, p.d))
     args, extra = [jnp.asarray(jnp.asarray(x, dt), ct) for x in (q, k, v)], []
     for at, step in enumerate(p.steps):
-        if step.kind == "mask":
+        if step.kind in ("mask", "select_bias"):
             extra.append(("mask", at, len(args)))
             args.append(jnp.asarray(_mask(step, p, rng)))
         elif step.kind == "bias":
@@ -216,7 +243,8 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
     if p.sinks:
         extra.append(("sinks", -2, len(args)))
         args.append(jnp.asarray(jnp.asarray(rng.standard_normal(p.hq) * 2.0, dt), ct))
-    first_mask = next((i for kind, _, i in extra if kind == "mask"), None)
+    first_mask = next((i for kind, at, i in extra if kind == "mask"
+                       and not p.steps[at].mask.startswith("segments")), None)
     if p.post_mask in ("data", "mirrored") or (p.post_mask == "same" and first_mask is None):
         extra.append(("post_mask", -3, len(args)))
         args.append(jnp.asarray(rng.random((p.b, 1, p.lq, p.lk)) < 0.8))
@@ -240,12 +268,25 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             if step.kind == "scale":
                 c = _rounded(step.value, dt)
                 s = s * c if step.op == "mul" else s / c
-            elif step.kind == "mask":
+            elif step.kind in ("mask", "select_bias"):
                 m = ops[operand[at] - 3]
                 if step.mask == "causal_and_padding":
                     m = jnp.tril(jnp.ones((p.lq, p.lk), bool)) & m
+                elif step.mask == "band":
+                    m = _band(step.window, p)
+                elif step.mask == "band_and_padding":
+                    m = _band(step.window, p) & m
+                elif step.mask.startswith("segments"):  # q ids == kv ids, per batch row
+                    m = m[:, None, :p.lq, None] == m[:, None, None, p.lq:]
+                    if step.mask == "segments_and_causal":
+                        m = m & jnp.tril(jnp.ones((p.lq, p.lk), bool))
                 fill = _fill(step.fill, dt)
-                s = jnp.where(~m, fill, s) if step.mirrored else jnp.where(m, s, fill)
+                if step.kind == "select_bias":  # HF: s + select(m > 0, 0, finfo.min)
+                    bias = (jnp.where(~m, fill, 0.0) if step.mirrored
+                            else jnp.where(m, 0.0, fill))
+                    s = s + bias.astype(s.dtype)
+                else:
+                    s = jnp.where(~m, fill, s) if step.mirrored else jnp.where(m, s, fill)
             elif step.kind == "bias":
                 s = s + ops[operand[at] - 3]
             elif step.kind == "softcap":
@@ -273,6 +314,9 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             w = jax.nn.softmax(s, axis=-1)
         if p.sinks:
             w = w[..., :-1]
+        if p.dropout:
+            keep = jax.random.bernoulli(jax.random.PRNGKey(p.seed), 0.8, w.shape)
+            w = w * (keep.astype(w.dtype) / jnp.asarray(0.8, w.dtype))
         if p.post_mask:
             m = ops[operand[-3] - 3]
             w = jnp.where(~m, 0.0, w) if p.post_mask == "mirrored" else jnp.where(m, w, 0.0)
@@ -308,19 +352,26 @@ def programs(draw) -> Program:
     steps = []
     for _ in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(("scale", "scale", "mask", "mask", "bias", "causal_bias",
-                                     "softcap")))
+                                     "softcap", "select_bias")))
         if kind == "softcap":
             steps.append(Step("softcap", value=draw(st.sampled_from((1.0, 5.0, 30.0)))))
         elif kind == "scale":
             steps.append(Step("scale", op=draw(st.sampled_from(("mul", "div"))),
                               value=10.0 ** draw(st.sampled_from((-6, -4, -3, -1, 0, 1, 3)))
                               * draw(st.sampled_from((1.0, 0.5, 0.125)))))
-        elif kind == "mask":
+        elif kind in ("mask", "select_bias"):
             mask = draw(st.sampled_from(MASKS))
             if mask.startswith("causal") and lq > lk and mask == "causal_bottom_right":
                 mask = "causal"
-            steps.append(Step("mask", mask=mask, fill=draw(st.sampled_from(FILLS)),
-                              mirrored=draw(st.booleans()),
+            window = ()
+            if mask.startswith("band"):
+                left = draw(st.sampled_from((None, 0, 2, 5)))
+                right = draw(st.sampled_from((None, -1, 0, 2, 5)))
+                if left is not None and right is not None and left + right < 0:
+                    right = None
+                window = (left, right)
+            steps.append(Step(kind, mask=mask, fill=draw(st.sampled_from(FILLS)),
+                              mirrored=draw(st.booleans()), window=window,
                               empty_row=draw(st.booleans()) and mask in (
                                   "boolean", "key_padding", "causal_and_padding")))
         elif kind == "bias":
@@ -339,6 +390,7 @@ def programs(draw) -> Program:
         post_mask=draw(st.sampled_from(("",) * 5 + ("same", "data", "mirrored"))),
         sinks=draw(st.sampled_from((False,) * 3 + (True,))),
         shift=draw(st.sampled_from((False,) * 3 + (True,))),
+        dropout=draw(st.sampled_from((False,) * 4 + (True,))),
         seed=draw(st.integers(0, 2**16)),
     )
 

@@ -165,7 +165,7 @@ def alibi_causal(q, k, v):
 @pytest.mark.parametrize("fn, mask, mask_shape", [
     (causal_iota, "causal", None), (causal_tril_bool, "causal", None),
     (causal_tril_float, "causal", None), (causal_additive, "causal", None),
-    (causal_reversed_where, "causal", None), (anticausal, "boolean", (1, 1, L, L)),
+    (causal_reversed_where, "causal", None), (anticausal, "local", None),
     (alibi, "additive", (1, H, L, L)), (alibi_causal, "additive", (1, H, L, L)),
 ])
 def test_constant_masks(fn, mask, mask_shape, frontend):
@@ -472,11 +472,17 @@ def test_causal_masks_are_read_from_their_structure_at_any_length(build, fronten
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
-def test_a_shifted_diagonal_is_not_read_as_causal(frontend):
+def test_a_shifted_diagonal_is_a_window_not_causal(frontend):
     def fn(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
         s = jnp.where(jnp.tril(jnp.ones((L, L), bool), 1), s, -jnp.inf)  # sees one key ahead
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
 
     (site,) = detect(fn, (Q, K, V), frontend)
-    assert site.mask == "boolean"
+    assert (site.mask, site.window, site.mask_shape) == ("local", (None, 1), None)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_anticausal_is_a_window_open_to_the_right(frontend):
+    (site,) = detect(anticausal, (Q, K, V), frontend)
+    assert site.window == (0, None)

@@ -2,9 +2,13 @@
 found, rewritten on CPU with outputs and gradients equal to `jax.jit`'s, and the kernel each
 platform would run named. Small configs, random weights, no downloads.
 
-What these models write: an additive `finfo.min` bias built from the padding mask (and, in
-decoders, the causal mask), BERT's all-ones head mask multiplying the probabilities, Llama's
-grouped K/V heads repeated before the dot, BLOOM's ALiBi bias.
+What these models write: an additive `finfo.min` bias `select(mask > 0, 0, finfo.min)` built
+from the padding mask (and, in decoders, the causal mask; GPT-Neo's local layers `tril ^
+tril(-w)`), BERT's all-ones head mask multiplying the probabilities, Llama's grouped K/V heads
+repeated before the dot, BLOOM's ALiBi bias. The finfo.min bias reads as the mask it almost is
+(hidden keys get s + finfo.min, which is finfo.min for any |s| under 1e31, checked at run time),
+its causal factor and window from their structure: on TPU, splash takes them with no dense
+operand.
 """
 
 from __future__ import annotations
@@ -41,16 +45,17 @@ def _models():
     }
 
 
-# model: (sites, q heads / kv heads, scale, mask kind, the axes its bias varies along, head
-# mask). Padding reaches the kernel at its own size ([B, 1, 1, Lk] for BERT; decoders fold the
-# causal mask into it: [B, 1, Lq, Lk]); only BLOOM's ALiBi bias varies per head. GPT-Neo does
-# not scale its scores: it multiplies q by √d before flax divides by it.
+# model: (sites, q heads / kv heads, scale, mask kind, the axes its mask or bias varies along,
+# head mask, windows per layer). Padding reaches the kernel at its own size [B, 1, 1, Lk], the
+# decoders' causal factor (and GPT-Neo's local window) as structure; BLOOM adds its ALiBi bias
+# beside the mask bias, so both stay biases (only a chain's one bias reads as a mask). GPT-Neo
+# does not scale its scores: it multiplies q by √d before flax divides by it.
 EXPECTED = {
-    "bert": (2, (4, 4), 0.25, "additive", "BK", True),
-    "gpt2": (2, (4, 4), 0.25, "additive", "BQK", False),
-    "llama": (2, (4, 2), 0.25, "additive", "BQK", False),
-    "bloom": (2, (4, 4), 0.25, "additive", "BHQK", False),
-    "gpt_neo": (2, (4, 4), 1.0, "additive", "BQK", False),
+    "bert": (2, (4, 4), 0.25, "boolean", "BK", True, [None, None]),
+    "gpt2": (2, (4, 4), 0.25, "boolean", "BK", False, [None, None]),
+    "llama": (2, (4, 2), 0.25, "boolean", "BK", False, [None, None]),
+    "bloom": (2, (4, 4), 0.25, "additive", "BHQK", False, [None, None]),
+    "gpt_neo": (2, (4, 4), 1.0, "boolean", "BK", False, [None, (15, 0)]),
 }
 
 
@@ -71,7 +76,7 @@ def test_hugging_face_flax_model_is_rewritten_with_outputs_and_gradients_equal(n
     def loss(params, ids, attention_mask, fn):
         return jnp.sum(fn(params, ids, attention_mask) ** 2)
 
-    count, heads, scale, kind, axes, head_mask = EXPECTED[name]
+    count, heads, scale, kind, axes, head_mask, windows = EXPECTED[name]
     report = hlotool.explain(hidden, model.params, ids, attention_mask, kernel="chunked")
     assert (len(report.sites), report.rewritten) == (count, count), str(report)
     for s in report.sites:
@@ -79,6 +84,7 @@ def test_hugging_face_flax_model_is_rewritten_with_outputs_and_gradients_equal(n
         assert s.site.scale == pytest.approx(scale)
         assert (s.site.mask, s.site.mask_axes) == (kind, axes)
         assert ("head mask" in s.site.variants) == head_mask
+    assert [s.site.window for s in report.sites] == windows
     fast = hlotool.flash_jit(hidden, kernel="chunked")
     want = jax.jit(hidden)(model.params, ids, attention_mask)
     got = fast(model.params, ids, attention_mask)
@@ -91,17 +97,67 @@ def test_hugging_face_flax_model_is_rewritten_with_outputs_and_gradients_equal(n
     assert np.max(np.abs(grads[1] - grads[0])) / np.max(np.abs(grads[0])) < 1e-5
 
 
-def test_the_tpu_kernel_each_model_would_run_at_long_sequences():
-    """At L=2048 the kernel pays on TPU: Pallas flash takes the models' additive biases (splash
-    takes none), and says why splash was passed over."""
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_at_long_sequences_the_tpu_export_holds_splash_and_no_dense_mask(name):
+    """At L=2048 the kernel pays on TPU: the models' finfo.min biases reach splash as a causal
+    mask object and segment ids, forward and backward, with no [L, L] operand."""
     t = transformers
-    model = t.FlaxGPT2Model(t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4,
-                                          n_positions=2048))
-    ids = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+    length = 2048
+    if name == "gpt2":
+        model = t.FlaxGPT2Model(t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4,
+                                              n_positions=length))
+    else:
+        model = t.FlaxBertModel(t.BertConfig(vocab_size=VOCAB, num_hidden_layers=1,
+                                             num_attention_heads=4, hidden_size=64,
+                                             intermediate_size=128,
+                                             max_position_embeddings=length))
+    ids = jax.ShapeDtypeStruct((1, length), jnp.int32)
 
     def hidden(params, ids, attention_mask):
         return model(ids, attention_mask=attention_mask, params=params).last_hidden_state
 
     (site,) = hlotool.explain(hidden, model.params, ids, ids).sites
-    assert site.kernels["tpu"] == "pallas_tpu"
-    assert "splash_tpu skipped: additive bias unsupported" in site.reason
+    assert site.kernels["tpu"] == "splash_tpu", site.reason
+    fast = hlotool.flash_jit(hidden)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
+    text = jax.export.export(fast, platforms=["tpu"])(params, ids, ids).mlir_module()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @tpu_custom_call" in ln]
+    assert len(calls) == 1 and "splash_mha_fwd" in text
+    assert f"{length}x{length}x" not in calls[0].rsplit(" : (", 1)[1]
+    grad = jax.export.export(jax.jit(jax.grad(
+        lambda p, i, m: jnp.sum(fast(p, i, m) ** 2))), platforms=["tpu"])(params, ids, ids)
+    assert grad.mlir_module().count("stablehlo.custom_call @tpu_custom_call") == 3
+
+
+def test_gpt2_in_training_mode_keeps_its_attention_dropout_exactly():
+    """`train=True`: flax's attention dropout multiplies the probabilities by keep / keep_prob,
+    keep drawn from the step's rng. The kernel applies that same multiplier, so outputs and
+    gradients equal `jax.jit`'s for the same rng."""
+    t = transformers
+    model = t.FlaxGPT2Model(t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                          n_positions=L, attn_pdrop=0.25))
+    ids, attention_mask = _inputs()
+    rng = jax.random.PRNGKey(7)
+
+    def hidden(params, ids, attention_mask, rng):
+        return model(ids, attention_mask=attention_mask, params=params, dropout_rng=rng,
+                     train=True).last_hidden_state
+
+    report = hlotool.explain(hidden, model.params, ids, attention_mask, rng, kernel="chunked")
+    assert (len(report.sites), report.rewritten) == (2, 2), str(report)
+    assert all("dropout" in s.site.variants for s in report.sites)
+    fast = hlotool.flash_jit(hidden, kernel="chunked")
+    want = jax.jit(hidden)(model.params, ids, attention_mask, rng)
+    got = fast(model.params, ids, attention_mask, rng)
+    assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-5
+    # Dropout is on: another rng changes the result.
+    other = fast(model.params, ids, attention_mask, jax.random.PRNGKey(8))
+    assert float(jnp.max(jnp.abs(other - got))) > 1e-2
+
+    def loss(params, fn):
+        return jnp.sum(fn(params, ids, attention_mask, rng) ** 2)
+
+    grads = [np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(g)])
+             for g in (jax.grad(loss)(model.params, jax.jit(hidden)),
+                       jax.grad(loss)(model.params, fast))]
+    assert np.max(np.abs(grads[1] - grads[0])) / np.max(np.abs(grads[0])) < 1e-5

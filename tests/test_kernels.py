@@ -108,11 +108,17 @@ def test_supports_reasons():
 # --- costs ------------------------------------------------------------------------------
 
 
-def test_visible_fraction_counts_causal_tiles():
-    assert visible_fraction(1024, 1024, 512, 512, causal=False) == 1.0
-    assert visible_fraction(1024, 1024, 512, 512, causal=True) == 3 / 4
-    assert visible_fraction(1024, 1024, 128, 128, causal=True) == 36 / 64
-    assert visible_fraction(64, 1024, 64, 128, causal=True) == 1 / 8
+def test_visible_fraction_counts_the_tiles_a_band_reaches():
+    causal = (None, 0)
+    assert visible_fraction(1024, 1024, 512, 512, None) == 1.0
+    assert visible_fraction(1024, 1024, 512, 512, causal) == 3 / 4
+    assert visible_fraction(1024, 1024, 128, 128, causal) == 36 / 64
+    assert visible_fraction(64, 1024, 64, 128, causal) == 1 / 8
+    # A causal window of 128 keys over 128-tiles: the diagonal tile and the one left of it
+    # (the first query block has no left neighbour).
+    assert visible_fraction(1024, 1024, 128, 128, (128, 0)) == (1 + 2 * 7) / 64
+    # Both sides: tiles i-1, i, i+1 (clipped at the edges).
+    assert visible_fraction(1024, 1024, 128, 128, (100, 100)) == (2 + 3 * 6 + 2) / 64
 
 
 def test_flash_cost_formulas():

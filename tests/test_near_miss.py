@@ -111,12 +111,38 @@ def test_each_near_miss_names_the_first_rule_it_breaks(fn, reason):
     assert miss.reason == reason
 
 
-def test_dropout_is_named_from_its_random_bits_in_the_jaxpr():
+def test_dropout_is_part_of_a_site_and_a_scale_after_it_is_the_near_miss():
+    """`p * keep / 0.9`: the multiplication by the keep mask is dropout, which a site takes
+    (HF and flax write `p * (keep / keep_prob)`); the division after it is what blocks."""
+    why = "a scale after the softmax (the probabilities no longer sum to 1)"
     (miss,) = near_misses_jaxpr(jax.make_jaxpr(dropout)(Q, Q, Q, MASK))
-    assert miss.reason == "dropout on the probabilities (multiplied by a random keep mask)"
-    # In HLO the random bits are plain integer arithmetic: the reason is the general one.
+    assert miss.reason == why
     (miss,) = near_misses_hlo(jax.jit(dropout).lower(Q, Q, Q, MASK).as_text(dialect="hlo"))
-    assert miss.reason.startswith("the probabilities are multiplied by a tensor")
+    assert miss.reason == why
+
+
+def dropout_as_flax_writes_it(q, k, v, m):
+    p = jax.nn.softmax(scores(q, k))
+    keep = jax.random.bernoulli(jax.random.PRNGKey(0), 0.9, p.shape)
+    return values(p * (keep.astype(p.dtype) / jnp.asarray(0.9, p.dtype)), v)
+
+
+def noise(q, k, v, m):
+    """Gaussian noise on the probabilities: no scaled boolean, no gradient-free multiplier."""
+    p = jax.nn.softmax(scores(q, k))
+    return values(p * jax.random.normal(jax.random.PRNGKey(0), p.shape), v)
+
+
+def test_dropout_as_flax_writes_it_is_a_site_and_noise_is_not():
+    (site,) = detect_jaxpr(jax.make_jaxpr(dropout_as_flax_writes_it)(Q, Q, Q, MASK))
+    assert site.site.dropout and "dropout" in site.site.variants
+    (from_hlo,) = detect_hlo(jax.jit(dropout_as_flax_writes_it).lower(Q, Q, Q, MASK).as_text(
+        dialect="hlo"))
+    assert from_hlo.dropout
+    assert detect_jaxpr(jax.make_jaxpr(noise)(Q, Q, Q, MASK)) == []
+    (miss,) = near_misses_jaxpr(jax.make_jaxpr(noise)(Q, Q, Q, MASK))
+    assert miss.reason == ("random values multiply the probabilities (not dropout's keep / "
+                           "keep_prob)")
 
 
 def test_a_head_mask_is_no_near_miss_but_a_site():

@@ -189,8 +189,8 @@ def causal_padded(model, lengths):
     return fn
 
 
-@pytest.mark.parametrize("model", [gemma2, functools.partial(gpt_oss, window=None)],
-                         ids=["gemma2", "gpt_oss without a window"])
+@pytest.mark.parametrize("model", [gemma2, gpt_oss, functools.partial(gpt_oss, window=None)],
+                         ids=["gemma2", "gpt_oss", "gpt_oss without a window"])
 def test_softcap_and_sinks_export_to_tpu_in_splash_without_dense_masks(model):
     fn = causal_padded(model, jnp.array([LONG, 1500]))
     args = _long_args()
@@ -223,10 +223,12 @@ def test_gqa_exports_to_tpu_with_its_own_kv_heads():
     assert f"tensor<{B}x{H}x{LONG}x{D}xbf16>" in operands
 
 
-def test_a_sliding_window_is_not_a_splash_mask_yet_and_says_so():
+def test_a_dense_mask_argument_keeps_gpt_oss_off_splash_and_says_so():
+    """Its window is read from the iotas; the [B, L, L] mask passed in is data."""
     report = hlotool.explain(gpt_oss, *_long_args())
     (site,) = report.sites
     assert site.site.sinks and site.site.mask_axes == "BQK"
+    assert site.site.window == (64, 64)
     assert site.kernels["tpu"] == "chunked"
     assert "splash_tpu skipped: a boolean mask varying along BQK" in site.reason
 

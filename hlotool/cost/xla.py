@@ -24,6 +24,7 @@ import numpy as np
 from hlotool.capture import check_host_memory
 from hlotool.errors import HlotoolError, first_line
 from hlotool.kernels import AttentionKernel
+from hlotool.kernels.base import band_mask
 from hlotool.passes.native import ONLINE_SOFTMAX
 from hlotool.site import AttentionSite
 from hlotool.targets import get_target
@@ -166,8 +167,8 @@ def naive_program(site: AttentionSite) -> tuple[Callable[..., Any], tuple[jax.Sh
             s = s + mask[0].astype(soft)
         elif site.mask == "boolean":
             s = jnp.where(mask[0], s, -jnp.inf)
-        elif site.mask == "causal":
-            s = jnp.where(jnp.tril(jnp.ones((site.q_len, site.kv_len), bool)), s, -jnp.inf)
+        if site.band is not None:  # causal, a window, or both
+            s = jnp.where(band_mask(site.q_len, site.kv_len, site.band), s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
         return jnp.einsum("bhqk,bhkd->bhqd" if bhld else "bhqk,bkhd->bqhd", p, v)
 
@@ -188,7 +189,8 @@ def kernel_program(site: AttentionSite, kernel: AttentionKernel
 
     def attend(q, k, v, *mask):
         extra = {mask_arg: mask[0]} if mask_arg else {}
-        return kernel(q, k, v, scale=site.scale, causal=site.causal, layout=layout, **extra)
+        return kernel(q, k, v, scale=site.scale, causal=site.causal, window=site.window,
+                      layout=layout, **extra)
 
     return attend, args
 
