@@ -24,6 +24,7 @@ MASK_KINDS: tuple[str, ...] = ("none", "causal", "local", "additive", "boolean")
 
 
 Band = tuple[int | None, int | None]
+CAUSAL: Band = (None, 0)  # the band of a causal mask: keys up to the query's own position
 
 
 def band_of(causal: bool, window: Band | None) -> Band | None:

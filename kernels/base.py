@@ -628,9 +628,6 @@ def row_has_key(call: Call) -> jax.Array | None:
     return jnp.any(visible_keys(call), axis=-1, keepdims=True)
 
 
-CAUSAL = (None, 0)  # the window of a causal mask
-
-
 def band_mask(lq: int, lk: int, window: tuple[int | None, int | None]) -> jax.Array:
     """bool [Lq, Lk]: `i - left <= j <= i + right` (built from iotas, so XLA fuses it into
     whatever reads it rather than holding an [Lq, Lk] constant)."""
@@ -690,6 +687,15 @@ def with_empty_rows(call: Call, out: jax.Array) -> jax.Array:
 _RESOLUTION = 24 * math.log(2) + 1
 
 
+def score_bound(call: Call) -> jax.Array:
+    """f32 scalar max‖q_i‖·max‖k_j‖: a bound on every |q_i·k_j| (Cauchy-Schwarz), O(L·D);
+    non-finite when q or k holds a non-finite value."""
+    f32 = jnp.float32
+    q_norm = jnp.max(jnp.sqrt(jnp.sum(jnp.square(call.q.astype(f32)), axis=-1)))
+    k_norm = jnp.max(jnp.sqrt(jnp.sum(jnp.square(call.k.astype(f32)), axis=-1)))
+    return q_norm * k_norm
+
+
 def hiding_is_exact(call: Call, hidden_logit: float) -> jax.Array:
     """bool scalar: whether a kernel that gives hidden keys `hidden_logit` (and skips what it
     does not visit) computes this call within float32 resolution of its exact semantics.
@@ -702,12 +708,9 @@ def hiding_is_exact(call: Call, hidden_logit: float) -> jax.Array:
     The check costs O(L·D) (plus one pass over a bias) and is false on any non-finite input,
     sending the call to the exact kernel.
     """
-    f32 = jnp.float32
-    q_norm = jnp.max(jnp.sqrt(jnp.sum(jnp.square(call.q.astype(f32)), axis=-1)))
-    k_norm = jnp.max(jnp.sqrt(jnp.sum(jnp.square(call.k.astype(f32)), axis=-1)))
-    lowest = -abs(call.scale) * q_norm * k_norm
+    lowest = -abs(call.scale) * score_bound(call)
     if call.bias is not None:
-        lowest = lowest + jnp.min(call.bias.astype(f32))
+        lowest = lowest + jnp.min(call.bias.astype(jnp.float32))
     margin = math.log(max(call.k.shape[1], 1)) + _RESOLUTION
     hidden = max(call.fill, hidden_logit)
     return jnp.isfinite(lowest) & (hidden + margin < lowest)

@@ -34,7 +34,6 @@ import numpy as np
 from hlotool import jaxcompat
 from hlotool.kernels._upstream import PaddedTpuKernel, block_for, padded_length, probe
 from hlotool.kernels.base import (
-    CAUSAL,
     Call,
     Features,
     KernelCost,
@@ -42,7 +41,7 @@ from hlotool.kernels.base import (
     flash_cost,
     soft_fill_refusal,
 )
-from hlotool.site import AttentionSite
+from hlotool.site import CAUSAL, AttentionSite
 
 UPSTREAM = "jax.experimental.pallas.ops.tpu.splash_attention"
 # Splash's DEFAULT_MASK_VALUE: the logit of a key it hides.

@@ -38,7 +38,7 @@ from hlotool.passes.graph import (
     uniform_value,
 )
 from hlotool.passes.pattern import Alt, Any, Chain, Const, Link, Op, Same, Step, Through
-from hlotool.site import AttentionSite
+from hlotool.site import CAUSAL, AttentionSite
 
 # An additive constant is read as a causal mask when it is 0 on and below the diagonal and at
 # most this above it. Whether it hides those keys outright is the lowering's question
@@ -949,7 +949,7 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
             window = masks.window(found, pred.shape[qk[0]], pred.shape[qk[1]])
         if window is not None:
             structural = True
-            kind = "causal" if window == masks.CAUSAL else "window"
+            kind = "causal" if window == CAUSAL else "window"
             if not any(t.kind == kind and t.window == window for t in terms):
                 terms.append(MaskTerm(kind, at, None, (1,) * len(pred.shape),
                                       roles.layout(pred.shape, labels, "BHLK"), fill=fill,
@@ -1060,7 +1060,7 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
     structural = _structural_band(operand, node, labels, roles, link.kind, sign, keep_when)
     if structural is not None:  # read from iotas and compares: any length
         window, value = structural
-        band_kind = "causal" if window == masks.CAUSAL else "window"
+        band_kind = "causal" if window == CAUSAL else "window"
         window = None if band_kind == "causal" else window
         if link.kind == "mask":
             return MaskTerm(band_kind, node, None, shape, scores_layout, fill=fill,

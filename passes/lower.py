@@ -28,7 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hlotool.kernels.base import Call, Features, make_call, row_has_key, visible_keys
+from hlotool.kernels.base import (
+    Call,
+    Features,
+    make_call,
+    row_has_key,
+    score_bound,
+    visible_keys,
+)
 from hlotool.passes.attention import Layout
 from hlotool.passes.axes import reshape_groups
 from hlotool.passes.from_jaxpr import JaxprSite, MaskVar
@@ -156,17 +163,15 @@ def reads_as_mask(form: KernelForm, call: Call) -> jax.Array:
       - every row sees a key: in a row whose keys are all hidden the softmax is uniform both
         ways, but autodiff of s + F passes that row's gradient on to q and k, where a mask
         passes none."""
-    f32 = jnp.float32
-    q_norm = jnp.max(jnp.sqrt(jnp.sum(jnp.square(call.q.astype(f32)), axis=-1)))
-    k_norm = jnp.max(jnp.sqrt(jnp.sum(jnp.square(call.k.astype(f32)), axis=-1)))
-    ok = jnp.isfinite(q_norm * k_norm)
+    bound = score_bound(call)
+    ok = jnp.isfinite(bound)
     has_key = row_has_key(call)
     if has_key is not None:
         ok = ok & jnp.all(has_key)
     for fill, dtype, scale in form.checks:
         if fill == -math.inf:
             continue  # s + -inf is -inf for any finite s
-        ok = ok & (2.0 * scale * q_norm * k_norm < half_ulp(fill, dtype))
+        ok = ok & (2.0 * scale * bound < half_ulp(fill, dtype))
     return ok
 
 

@@ -381,13 +381,12 @@ def band_bias(bias: Node, q_axis: int, k_axis: int) -> tuple[Band, float] | None
 
 
 Window = tuple[int | None, int | None]
-CAUSAL: Window = (None, 0)
 
 
 def window(found: Band | None, q_len: int, k_len: int) -> Window | None:
     """A band `lo <= j - i <= hi` as kernels take it, (left, right): query i sees keys
     i - left ≤ j ≤ i + right; a side no query of [q_len, k_len] reaches is None (unbounded),
-    so `jnp.tril` is `CAUSAL` whatever its shape."""
+    so `jnp.tril` is (None, 0), `site.CAUSAL`, whatever its shape."""
     if found is None:
         return None
     lo, hi = found
