@@ -32,8 +32,10 @@ from hlotool.kernels.registry import PLATFORMS
 from hlotool.kernels.sharded import mesh_of, on_mesh
 from hlotool.passes import lower
 from hlotool.passes.from_jaxpr import JaxprSite, describe_path, detect_jaxpr, jaxpr_at
+from hlotool.passes.backward import Backward
 from hlotool.passes.rewrite import (
-    Replacement, RewriteError, check, free_inputs, rewrite, site_equations,
+    Replacement, RewriteError, check, derivative, free_inputs, inline_calls, rewrite,
+    site_equations,
 )
 from hlotool.site import AttentionSite
 
@@ -99,11 +101,14 @@ def site_key(site: JaxprSite) -> tuple:
     return (site.path, site.eqns)
 
 
-def _form(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> lower.KernelForm:
-    """The site's kernel form; `RewriteError` when dropping its equations would change the
-    program or no kernel call reproduces it."""
-    check(jaxpr, site)
-    return lower.lower(site)
+def _form(jaxpr: jaxcompat.Jaxpr, site: JaxprSite
+          ) -> tuple[lower.KernelForm, Backward | None]:
+    """The site's kernel form, and its derivative where the program differentiates it;
+    `RewriteError` when dropping its equations would change the program or no kernel call
+    reproduces it."""
+    backward = derivative(jaxpr, site)
+    check(jaxpr, site, backward)
+    return lower.lower(site), backward
 
 
 def _choices(site: JaxprSite, form: lower.KernelForm, kernel: str) -> dict[str, Any]:
@@ -128,8 +133,8 @@ def scope(index: int, site: AttentionSite) -> str:
 
 
 def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
-                plan: Mapping[str, str | None], mesh: Any = None, index: int = 0
-                ) -> Replacement:
+                plan: Mapping[str, str | None], mesh: Any = None, index: int = 0,
+                backward: Backward | None = None) -> Replacement:
     """The function computing `site.out` under `plan` (platform → kernel name or None).
 
     It runs under the name scope `scope(index, site)` and each kernel under its own name
@@ -171,7 +176,9 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
     def run(values: Mapping[Any, jax.Array]) -> jax.Array:
         return kernels.per_platform(plan, branch, *(values[v] for v in inputs))
 
-    if all(plan.values()):
+    if backward is not None:
+        run.backward = backward  # the pass replaces the program's derivative of the site too
+    elif all(plan.values()):
         # Kernel branches depend only on this signature; a native branch would carry the
         # site's own source lines, so it is traced per site.
         at = {v: i for i, v in enumerate(inputs)}
@@ -207,7 +214,7 @@ def plan_program(closed: jaxcompat.ClosedJaxpr, function: str, kernel: str = "au
         reason = disabled.get(site_key(site))
         if reason is None:
             try:
-                form = _form(jaxpr, site)
+                form, backward = _form(jaxpr, site)
             except RewriteError as err:
                 reason = str(err)
             else:
@@ -216,7 +223,7 @@ def plan_program(closed: jaxcompat.ClosedJaxpr, function: str, kernel: str = "au
                 reason = "; ".join(f"{p}: {c.reason}" for p, c in choices.items())
                 if any(plan.values()):
                     replacements.append((site, replacement(jaxpr, site, form, plan, mesh,
-                                                           index)))
+                                                           index, backward)))
         reports.append(SiteReport(site.site, describe_path(closed, site.path), plan, reason))
     return Report(function, tuple(reports)), replacements
 
@@ -256,7 +263,16 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]
     except TypeError as err:
         raise HlotoolError(f"cannot trace {name_of(fn)}: {first_line(err)}") from err
     out_tree = jax.tree.structure(shape)
-    return closed, dyn, lambda outs: jax.tree.unflatten(out_tree, outs)
+    return differentiable(closed), dyn, lambda outs: jax.tree.unflatten(out_tree, outs)
+
+
+def differentiable(closed: jaxcompat.ClosedJaxpr) -> jaxcompat.ClosedJaxpr:
+    """`closed`, with its nested jits inlined where it takes its own gradient (a site's
+    intermediates are read outside it), so the rewrite finds each site's derivative beside
+    it (`passes.rewrite.inline_calls`)."""
+    if not symbolic_dims(closed) and any(site.escaping for site in detect_jaxpr(closed)):
+        return inline_calls(closed)
+    return closed
 
 
 def name_of(fn: Callable) -> str:

@@ -13,9 +13,15 @@ values the site reads. The pass
   4. runs dead-code elimination, so operands only the naive equations read (a broadcast
      mask, the causal iota) are gone too.
 
+A site whose intermediates the program's own `jax.grad` reads (a train step) is replaced in
+both directions: `derivative` finds the equations jax's AD wrote for it (`passes.backward`),
+and the pass splits jax's AD of the replacement into a forward call, placed where the site's
+output was defined, and a backward call, placed where its backward began, reading the
+program's cotangent and defining the variables the rest of the backward reads.
+
 Everything else in the program is left as it was. The pass refuses (raises `RewriteError`) a
-site whose intermediates are read outside it, or whose inputs are not visible at its level:
-dropping its equations would change the program.
+site whose intermediates are read outside it other than by its derivative, or whose inputs
+are not visible at its level: dropping its equations would change the program.
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ import jax
 
 from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
+from hlotool.passes.backward import Backward, NoBackward, find_backward, with_gradient
 from hlotool.passes.from_jaxpr import JaxprSite, Path, subjaxpr
 from hlotool.passes.logits import STRUCTURAL
 
 # Computes a site's output [out var's shape] from the site's free inputs, keyed by variable.
 # A `scope` attribute names the site in profiles: the spliced call runs under that name
 # scope (on top of the site's own), so XProf, TensorBoard and HLO op_name metadata show
-# which site each op belongs to.
+# which site each op belongs to. A `backward` attribute (a `Backward`) marks a site of a
+# program that differentiates itself: the pass replaces its derivative too.
 Replacement = Callable[[Mapping[Any, jax.Array]], jax.Array]
 
 
@@ -75,9 +83,26 @@ def site_equations(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> Replacement:
     return run
 
 
-def check(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> None:
-    """Raise `RewriteError` if dropping the site's equations would change the program."""
-    if site.escaping:
+def derivative(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> Backward | None:
+    """Where the program's own gradient reads the site's intermediates, the equations of
+    that gradient (`passes.backward`); None when nothing outside the site reads them.
+    `RewriteError` when something else does."""
+    if not site.escaping:
+        return None
+    try:
+        return find_backward(jaxpr, site, free_inputs(jaxpr, site), site_equations(jaxpr, site))
+    except NoBackward as err:
+        names = ", ".join(sorted(v.aval.str_short(short_dtypes=True) for v in site.escaping))
+        raise RewriteError(
+            f"intermediate values of the attention ({names}) are used outside it, and not "
+            f"as jax's gradient of it: {err} (to rewrite a train step whose gradient cannot "
+            "be matched, rewrite the loss instead: jax.grad(flash_jit(loss)))") from None
+
+
+def check(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, backward: Backward | None = None) -> None:
+    """Raise `RewriteError` if dropping the site's equations (and `backward`'s, its
+    derivative in the program) would change the program."""
+    if site.escaping and backward is None:
         names = ", ".join(sorted(v.aval.str_short(short_dtypes=True) for v in site.escaping))
         raise RewriteError(
             f"intermediate values of the attention ({names}) are used outside it: returned, "
@@ -95,6 +120,77 @@ def check(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> None:
     for i in site.eqns:
         if jaxpr.eqns[i].effects:
             raise RewriteError(f"equation {jaxpr.eqns[i].primitive} of the site has effects")
+
+
+def _plain_call(eqn: jaxcompat.JaxprEqn) -> bool:
+    """A `jit` nested in the program that only groups equations: no shardings, no options."""
+    p = eqn.params
+    return (eqn.primitive.name in ("pjit", "jit") and not p.get("compiler_options_kvs")
+            and all(type(s).__name__ == "UnspecifiedValue"
+                    for s in (*p.get("in_shardings", ()), *p.get("out_shardings", ()))))
+
+
+def _has_plain_call(jaxpr: jaxcompat.Jaxpr) -> bool:
+    return any(_plain_call(e) or any(_has_plain_call(j) for j in jaxcompat.jaxprs_in_params(
+        e.params)) for e in jaxpr.eqns)
+
+
+# Bodies traced only under their mesh axes: re-tracing them alone fails on their collectives.
+_NAMED_AXES = ("shard_map", "xla_pmap")
+
+
+def inline_calls(closed: jaxcompat.ClosedJaxpr) -> jaxcompat.ClosedJaxpr:
+    """`closed` with its plain nested `jit`s inlined, in every body (their equations keep
+    their source lines and run under the jit's name as a scope; `shard_map` bodies are kept
+    as they are).
+
+    jax's AD splits a jit into a forward jit and a transposed one, so a site inside a jit
+    and its derivative end up in two bodies; and it writes a jit the site holds (`jnp.where`'s)
+    with outputs that depend on what else the jit's caller differentiates. Inlined, the
+    derivative of a site is the same equations wherever the site was written."""
+    if not _has_plain_call(closed.jaxpr):
+        return closed
+
+    def inlined(param: Any) -> Any:
+        if isinstance(param, jaxcompat.ClosedJaxpr) and _has_plain_call(param.jaxpr):
+            return inline_calls(param)
+        if isinstance(param, jaxcompat.Jaxpr) and not param.constvars and _has_plain_call(param):
+            new = inline_calls(jaxcompat.ClosedJaxpr(param, []))
+            return new.jaxpr if not new.consts else param
+        if isinstance(param, (tuple, list)) and any(
+                isinstance(x, (jaxcompat.ClosedJaxpr, jaxcompat.Jaxpr)) for x in param):
+            return type(param)(inlined(x) for x in param)
+        return param
+
+    def run(jaxpr: jaxcompat.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+
+        def read(v):
+            return v.val if isinstance(v, jaxcompat.Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            if _plain_call(eqn):
+                body = eqn.params["jaxpr"]
+                scope = "/".join(x for x in (str(eqn.source_info.name_stack),
+                                             eqn.params["name"]) if x)
+                with jax.named_scope(scope):
+                    outs = run(body.jaxpr, body.consts, [read(v) for v in eqn.invars])
+            else:
+                if eqn.primitive.name not in _NAMED_AXES:
+                    eqn = eqn.replace(params={k: inlined(p) for k, p in eqn.params.items()})
+                reads = list(dict.fromkeys(v for v in eqn.invars
+                                           if not isinstance(v, jaxcompat.Literal)))
+                one = jaxpr.replace(constvars=[], invars=reads, outvars=list(eqn.outvars),
+                                    eqns=[eqn], effects=eqn.effects)
+                outs = jaxcompat.eval_jaxpr(one, (), *(env[v] for v in reads))
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    def program(*args):
+        return run(closed.jaxpr, closed.consts, args)
+
+    return jax.make_jaxpr(program)(*(_spec(a) for a in closed.in_avals))
 
 
 def _explicit_sharding(aval: Any) -> Any:
@@ -120,9 +216,7 @@ def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str,
         return fn(dict(zip(inputs, xs)))
 
     flat.__name__ = name
-    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type,
-                                  sharding=_explicit_sharding(v.aval))
-             for v in inputs]
+    specs = [_spec(v.aval) for v in inputs]
     closed = jax.make_jaxpr(jax.jit(flat))(*specs)
     (eqn,) = closed.jaxpr.eqns
     got, want = eqn.outvars[0].aval, out.aval
@@ -134,24 +228,99 @@ def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str,
     return eqn.replace(invars=list(inputs), outvars=[out])
 
 
+def _split(joint: jaxcompat.ClosedJaxpr) -> tuple[jaxcompat.ClosedJaxpr, jaxcompat.ClosedJaxpr,
+                                                   list[int]]:
+    """`joint` (inputs..., cotangent) → (out, grads...) as a forward (inputs → out,
+    residuals...) and a backward (residuals..., inputs[i] for i in the list, cotangent →
+    grads...): the backward holds every equation that reads the cotangent, directly or not."""
+    jaxpr = joint.jaxpr
+    *inputs, ct = jaxpr.invars
+    tainted, fwd, bwd = {ct}, [], []
+    for e in jaxpr.eqns:
+        if any(v in tainted for v in e.invars if not isinstance(v, jaxcompat.Literal)):
+            bwd.append(e)
+            tainted.update(e.outvars)
+        else:
+            fwd.append(e)
+    if jaxpr.outvars[0] in tainted:
+        raise RewriteError("the replacement's output depends on its own cotangent")
+    read = [v for e in bwd for v in e.invars] + list(jaxpr.outvars[1:])
+    read = [v for v in dict.fromkeys(v for v in read if not isinstance(v, jaxcompat.Literal))
+            if v not in tainted and v not in jaxpr.constvars]
+    passed = [i for i, v in enumerate(inputs) if v in read]
+    residuals = [v for v in read if v not in inputs]
+    forward = jaxpr.replace(invars=inputs, outvars=[jaxpr.outvars[0], *residuals], eqns=fwd)
+    backward = jaxpr.replace(invars=[*residuals, *(inputs[i] for i in passed), ct],
+                             outvars=list(jaxpr.outvars[1:]), eqns=bwd)
+    forward, _ = jaxcompat.dce_jaxpr(forward, [True] * len(forward.outvars), instantiate=True)
+    return (joint.replace(jaxpr=forward), joint.replace(jaxpr=backward), passed)
+
+
+def _as_eqn(body: jaxcompat.ClosedJaxpr, name: str) -> jaxcompat.JaxprEqn:
+    """`body` as one `jit` equation (fresh output variables) named `name`."""
+    def flat(*xs):
+        return jaxcompat.eval_jaxpr(body.jaxpr, body.consts, *xs)
+
+    flat.__name__ = name
+    (eqn,) = jax.make_jaxpr(jax.jit(flat))(*(_spec(v.aval) for v in body.jaxpr.invars)).jaxpr.eqns
+    return eqn
+
+
+def _spec(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
+                                sharding=_explicit_sharding(aval))
+
+
+def _traced_pair(fn: Replacement, inputs: list[Any], site: JaxprSite, backward: Backward,
+                 name: str) -> tuple[jaxcompat.JaxprEqn, jaxcompat.JaxprEqn]:
+    """jax's AD of `fn` as two equations: the forward, defining `site.out` and residuals,
+    and the backward, reading them and `backward.cotangent` and defining `backward.grads`."""
+    wrt = [inputs.index(v) for v in backward.wrt]
+    ct_aval = backward.cotangent.aval
+    if (ct_aval.shape, ct_aval.dtype) != (site.out.aval.shape, site.out.aval.dtype):
+        raise RewriteError(f"the program's cotangent {ct_aval.str_short()} does not match the "
+                           f"site's output {site.out.aval.str_short()}")
+    traced = jax.make_jaxpr(with_gradient(fn, inputs, wrt))(
+        *(_spec(v.aval) for v in inputs), _spec(ct_aval))
+    for got, want in zip(traced.jaxpr.outvars, (site.out, *backward.grads)):
+        if (got.aval.shape, got.aval.dtype) != (want.aval.shape, want.aval.dtype):
+            raise RewriteError(f"replacement's derivative gives {got.aval.str_short()} where "
+                               f"the program has {want.aval.str_short()}")
+    forward, back, passed = _split(traced)
+    fwd = _as_eqn(forward, name)
+    fwd = fwd.replace(invars=list(inputs), outvars=[site.out, *fwd.outvars[1:]])
+    bwd = _as_eqn(back, f"{name}_backward")
+    bwd = bwd.replace(invars=[*fwd.outvars[1:], *(inputs[i] for i in passed),
+                              backward.cotangent], outvars=list(backward.grads))
+    return fwd, bwd
+
+
 def _substitute(jaxpr: jaxcompat.Jaxpr, sites: Sequence[tuple[JaxprSite, Replacement]],
                 name: str, cache: dict[Any, jaxcompat.JaxprEqn]) -> jaxcompat.Jaxpr:
     drop: set[int] = set()
     placed: dict[int, jaxcompat.JaxprEqn] = {}
     for site, fn in sites:
-        check(jaxpr, site)
-        if drop & set(site.eqns):
+        backward = getattr(fn, "backward", None)
+        check(jaxpr, site, backward)
+        own = set(site.eqns) | (backward.equations if backward is not None else set())
+        if drop & own:
             raise RewriteError("two sites share equations")
         at = next(i for i in site.eqns if site.out in jaxpr.eqns[i].outvars)
-        traced = _traced_eqn(fn, free_inputs(jaxpr, site), site.out, name, cache)
-        # The call carries the site's own source line, so HLO metadata points at the user,
+        inputs = free_inputs(jaxpr, site)
+        if backward is None:
+            traced = {at: _traced_eqn(fn, inputs, site.out, name, cache)}
+        else:
+            fwd, bwd = _traced_pair(fn, inputs, site, backward, name)
+            traced = {at: fwd, min(backward.backward): bwd}
+        # The calls carry the site's own source line, so HLO metadata points at the user,
         # and its scope; set here, not while tracing, so identical sites share one trace.
         info = jaxpr.eqns[at].source_info
         scope = getattr(fn, "scope", None)
         if scope:
             info = info.replace(name_stack=info.name_stack.extend(scope))
-        placed[at] = traced.replace(source_info=info)
-        drop.update(site.eqns)
+        for i, eqn in traced.items():
+            placed[i] = eqn.replace(source_info=info)
+        drop.update(own)
     eqns = [placed[i] if i in placed else e for i, e in enumerate(jaxpr.eqns)
             if i in placed or i not in drop]
     return jaxpr.replace(eqns=eqns)

@@ -474,15 +474,22 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def check(p: Program, blocks: tuple[int, int] = (8, 8),
-          compiler_options: dict | None = None) -> tuple[str, str]:
-    """("native" | "rewritten" | "wrong", detail) for one program (see the module docstring)."""
+          compiler_options: dict | None = None, train: bool = False) -> tuple[str, str]:
+    """("native" | "rewritten" | "wrong", detail) for one program (see the module docstring).
+
+    train: rewrite the program with its gradient inside (a train step: `flash_jit` of
+    `value_and_grads(fn)`), not `value_and_grads` of the rewritten program."""
     fn, args, diff = build(p)
     kernel = get("chunked")
     saved = (kernel.block_q, kernel.block_k)
     kernel.block_q, kernel.block_k = blocks
     try:
-        rewritten = Rewritten(fn, "chunked")  # flash_jit(fn, kernel="chunked") is its jit
-        traced = jax.jit(value_and_grads(rewritten, diff)).trace(*args)
+        if train:
+            rewritten = Rewritten(value_and_grads(fn, diff), "chunked")
+            traced = jax.jit(rewritten).trace(*args)
+        else:
+            rewritten = Rewritten(fn, "chunked")  # flash_jit(fn, kernel="chunked") is its jit
+            traced = jax.jit(value_and_grads(rewritten, diff)).trace(*args)
         report = rewritten.report
         for site in report.sites:
             if not site.rewritten and not site.reason:

@@ -201,15 +201,17 @@ def test_escaping_probabilities_stay_native():
         np.testing.assert_array_equal(g, w)
 
 
-def test_differentiated_function_stays_native_with_reason():
+def test_function_differentiating_one_input_is_rewritten():
+    """The gradient inside, w.r.t. q only: jax's backward of the site has no dk, dv, and the
+    match finds it with q alone differentiated (tests/test_train_steps.py has the rest)."""
     def train_step(q, k, v):
         return jax.value_and_grad(lambda q: jnp.sum(causal(q, k, v) ** 2))(q)
 
     (site,) = hlotool.explain(train_step, Q, K, V).sites
-    assert not site.rewritten and "gradient" in site.reason
+    assert site.rewritten, site.reason
     got, want = hlotool.flash_jit(train_step)(Q, K, V), jax.jit(train_step)(Q, K, V)
     for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
 
 
 def test_short_keys_stay_native():

@@ -102,13 +102,13 @@ def test_flax_nnx():
     check_grad(forward, (X,))
 
 
-def test_haiku():
-    def layer(x):
-        mha = hk.MultiHeadAttention(num_heads=H, key_size=D,
-                                    w_init=hk.initializers.VarianceScaling())
-        return mha(x, x, x, mask=jnp.tril(jnp.ones((1, 1, L, L))))
+def haiku_layer(x):
+    mha = hk.MultiHeadAttention(num_heads=H, key_size=D, w_init=hk.initializers.VarianceScaling())
+    return mha(x, x, x, mask=jnp.tril(jnp.ones((1, 1, L, L))))
 
-    f = hk.transform(layer)
+
+def test_haiku():
+    f = hk.transform(haiku_layer)
     params = f.init(jax.random.key(0), X)
 
     def forward(params, x):
@@ -167,15 +167,6 @@ def test_example_causal_decoder():
     tokens = jax.random.randint(jax.random.key(1), (1, L), 0, m.VOCAB)
     check(m.forward, (params, tokens, 2), sites=2, static_argnames="heads")
     check_grad(lambda p, t: m.forward(p, t, 2), (params, tokens))
-    # The train step differentiates inside: its sites feed the backward pass and stay native.
-    step = hlotool.explain(m.train_step, params, tokens, 2)
-    assert len(step.sites) == 2 and step.rewritten == 0
-    assert all("gradient" in s.reason for s in step.sites)
-    got = hlotool.flash_jit(m.train_step, static_argnames="heads")(params, tokens, 2)
-    want = m.train_step(params, tokens, 2)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(g, w)
-    assert tpu_custom_calls(m.train_step, params, tokens, 2, static_argnames="heads") == 0
 
 
 def test_example_flax_model():

@@ -29,6 +29,27 @@ def test_generated_programs_are_rewritten_exactly_or_left_native(program):
     assert outcome != "wrong", f"{detail}: {program}"
 
 
+TRAIN_OUTCOMES: collections.Counter = collections.Counter()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(soundness_programs.programs())
+def test_generated_train_steps_are_rewritten_exactly_or_left_native(program):
+    """The same programs with their gradient taken inside the rewritten function: the
+    rewrite replaces jax's backward of each site too (passes/backward.py)."""
+    outcome, detail = soundness_programs.check(
+        program, compiler_options=soundness_programs.FAST_COMPILE, train=True)
+    TRAIN_OUTCOMES[outcome] += 1
+    assert outcome != "wrong", f"{detail}: {program}"
+
+
+def test_the_generated_train_steps_exercise_rewrites():
+    if not TRAIN_OUTCOMES:
+        test_generated_train_steps_are_rewritten_exactly_or_left_native()
+    assert TRAIN_OUTCOMES["rewritten"] >= 15, TRAIN_OUTCOMES
+
+
 def test_the_generated_programs_exercise_rewrites():
     """Guards the property test above against a grammar that stopped producing attention:
     the fixed sequence must rewrite a good share of its programs."""

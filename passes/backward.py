@@ -1,0 +1,339 @@
+"""The backward of an attention site in a program that takes its own gradient (a train step).
+
+`jax.grad` inside the traced function writes, beside the site's equations, the equations of
+its derivative: residuals computed from the site's intermediates, and the transposed
+equations that turn the cotangent of the site's output into cotangents of its inputs.
+`find_backward` finds them without a hand-written backward pattern: it differentiates the
+site's own equations with the installed jax (`jax.vjp`, as `jax.grad` does) and matches the
+result, equation for equation, in the program, anchored at the site's inputs. What the
+match yields, `Backward`, is what a rewrite needs to swap both directions for a kernel's:
+the program's cotangent of the output, the variables holding the site's contribution to its
+inputs' cotangents, and every equation the pair of kernel calls replaces.
+
+A site whose derivative is not found this way (a backward in another loop body, a program
+that differentiates only some of what jax would) is not a site to rewrite: the error says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hlotool import jaxcompat
+from hlotool.errors import HlotoolError
+from hlotool.passes.from_jaxpr import JaxprSite
+
+# Backtracking steps one match may take before it gives up (a site's derivative is a few
+# dozen equations; an unlucky order of equal candidates costs a few steps each).
+_MATCH_BUDGET = 20_000
+
+
+class NoBackward(HlotoolError):
+    """The program's derivative of a site could not be matched; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward:
+    """Where jax's AD of one site lives in the program (variables of the site's jaxpr).
+
+    wrt        the site's inputs the program differentiates, in `free_inputs` order.
+    cotangent  the program's cotangent of `site.out` (same shape and dtype).
+    grads      per `wrt`, the variable holding the site's contribution to its cotangent.
+    forward    indices of the equations computing the site and its residuals.
+    backward   indices of the equations that read the cotangent, directly or not.
+    """
+
+    wrt: tuple[Any, ...]
+    cotangent: Any
+    grads: tuple[Any, ...]
+    forward: frozenset[int]
+    backward: frozenset[int]
+
+    @property
+    def equations(self) -> frozenset[int]:
+        return self.forward | self.backward
+
+
+def differentiated(inputs: Sequence[Any], site: JaxprSite) -> Iterator[tuple[int, ...]]:
+    """Candidate sets of inputs the program differentiates, most likely first: every float
+    input, then q, k and v with or without the rest, then smaller subsets of q, k, v."""
+    floating = [i for i, v in enumerate(inputs)
+                if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+    qkv = [inputs.index(o.var) for o in (site.q, site.k, site.v)
+           if o.var in inputs and inputs.index(o.var) in floating]
+    qkv = list(dict.fromkeys(qkv))
+    seen = set()
+    for n in range(len(qkv), 0, -1):
+        for core in itertools.combinations(qkv, n):
+            for with_rest in (True, False):
+                rest = [i for i in floating if i not in qkv] if with_rest else []
+                cand = tuple(sorted((*core, *rest)))
+                if cand not in seen:
+                    seen.add(cand)
+                    yield cand
+
+
+def with_gradient(fn, inputs: Sequence[Any], wrt: Sequence[int]):
+    """(values of `inputs`..., cotangent of the output) → (output, cotangents of inputs[wrt]):
+    `fn` (a function of a {input var: value} mapping) with its vjp, as `jax.grad` writes it."""
+
+    def both(*args):
+        values, ct = list(args[:-1]), args[-1]
+
+        def f(*d):
+            full = list(values)
+            for i, x in zip(wrt, d):
+                full[i] = x
+            return fn(dict(zip(inputs, full)))
+
+        out, pull = jax.vjp(f, *(values[i] for i in wrt))
+        return (out, *pull(ct))
+
+    return both
+
+
+def reference(own, inputs: Sequence[Any], out_aval: Any, wrt: Sequence[int]
+              ) -> jaxcompat.ClosedJaxpr:
+    """jax's AD of the site's own equations `own`, as the program's `jax.grad` writes it:
+    a jaxpr from (inputs..., cotangent of out) to (out, cotangents of inputs[wrt])."""
+    specs = [_spec(v.aval) for v in inputs]
+    return jax.make_jaxpr(with_gradient(own, inputs, wrt))(*specs, _spec(out_aval))
+
+
+def _spec(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def find_backward(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[Any], own
+                  ) -> Backward:
+    """The equations of `jaxpr` that are jax's AD of `site`; `NoBackward` says why not.
+
+    inputs: the site's free inputs (`rewrite.free_inputs`); own: its equations as a function
+    of them (`rewrite.site_equations`)."""
+    program = _Program(jaxpr)
+    failures = []
+    for wrt in differentiated(inputs, site):
+        ref = reference(own, inputs, site.out.aval, wrt)
+        if ref.consts:
+            raise NoBackward("the site's derivative closes over constants")
+        # Dead equations dropped at this level only: pruning a call's outputs (as
+        # dce_jaxpr does) would change it from the call the program holds.
+        live = _live(ref.jaxpr)
+        body = ref.jaxpr.replace(eqns=[e for i, e in enumerate(ref.jaxpr.eqns) if i in live])
+        try:
+            env, used = _match(body, program, dict(zip(body.invars[:-1], inputs)))
+        except NoBackward as err:
+            failures.append(str(err))
+            continue
+        grads = tuple(env.get(v) for v in body.outvars[1:])
+        ct = env.get(body.invars[-1])
+        if ct is None or any(g is None or g in program.constant for g in grads):
+            failures.append("the program differentiates other inputs of the site")
+            continue
+        if env.get(body.outvars[0]) is not site.out:
+            failures.append("the matched forward computes another output")
+            continue
+        return program.split(site, tuple(inputs[i] for i in wrt), ct, grads, used)
+    reason = min(failures, key=len) if failures else "no input of the site is a float"
+    raise NoBackward(reason)
+
+
+class _Program:
+    """The jaxpr being searched, indexed: readers per variable, definitions, liveness, and
+    a structural key for variables that hold constants (broadcast zeros, iotas), so a
+    constant computed twice matches either copy."""
+
+    def __init__(self, jaxpr: jaxcompat.Jaxpr):
+        self.jaxpr = jaxpr
+        self.readers: dict[Any, list[int]] = {}
+        self.definer: dict[Any, int] = {}
+        self.constant: dict[Any, Any] = {}
+        for i, e in enumerate(jaxpr.eqns):
+            for v in e.invars:
+                if not isinstance(v, jaxcompat.Literal):
+                    self.readers.setdefault(v, []).append(i)
+            for v in e.outvars:
+                self.definer[v] = i
+            key = constant_key(e, self.constant)
+            if key is not None:
+                for n, v in enumerate(e.outvars):
+                    self.constant[v] = (key, n)
+        self.by_primitive: dict[str, list[int]] = {}
+        for i, e in enumerate(jaxpr.eqns):
+            self.by_primitive.setdefault(e.primitive.name, []).append(i)
+        self.live = _live(jaxpr)
+
+    def split(self, site: JaxprSite, wrt, ct, grads, used: frozenset[int]) -> Backward:
+        """The matched equations as forward and backward; `NoBackward` where dropping them
+        would change the program."""
+        eqns = self.jaxpr.eqns
+        tainted, backward = {ct}, set()
+        for i in sorted(used):
+            if any(v in tainted for v in eqns[i].invars if not isinstance(v, jaxcompat.Literal)):
+                backward.add(i)
+                tainted.update(eqns[i].outvars)
+        forward = (used - backward) | set(site.eqns)
+        if not backward:
+            raise NoBackward("the site's derivative does not read the output's cotangent")
+        at = next(i for i in site.eqns if site.out in eqns[i].outvars)
+        if at > min(backward):
+            raise NoBackward("the backward starts before the forward ends")
+        dropped = forward | backward
+        keep = {site.out, *grads}
+        outputs = {v for v in self.jaxpr.outvars if not isinstance(v, jaxcompat.Literal)}
+        for i in dropped:
+            for v in eqns[i].outvars:
+                if v in keep:
+                    continue
+                if v in outputs or any(r not in dropped and r in self.live
+                                       for r in self.readers.get(v, ())):
+                    raise NoBackward(
+                        f"a value of the site's derivative ({v.aval.str_short()}) is also "
+                        "used outside it")
+        return Backward(tuple(wrt), ct, tuple(grads), frozenset(forward), frozenset(backward))
+
+
+def _live(jaxpr: jaxcompat.Jaxpr) -> set[int]:
+    """Indices of the equations the outputs (or effects) depend on."""
+    need = {v for v in jaxpr.outvars if not isinstance(v, jaxcompat.Literal)}
+    live = set()
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        e = jaxpr.eqns[i]
+        if e.effects or any(v in need for v in e.outvars):
+            live.add(i)
+            need.update(v for v in e.invars if not isinstance(v, jaxcompat.Literal))
+    return live
+
+
+def constant_key(eqn: jaxcompat.JaxprEqn, constant: Mapping[Any, Any]) -> Any | None:
+    """A hashable description of what `eqn` computes when it reads only literals and
+    constants (`constant`: var → key), else None."""
+    args = []
+    for v in eqn.invars:
+        if isinstance(v, jaxcompat.Literal):
+            args.append(("literal", _literal(v)))
+        elif v in constant:
+            args.append(constant[v])
+        else:
+            return None
+    if eqn.effects or any(True for _ in jaxcompat.jaxprs_in_params(eqn.params)):
+        return None
+    return (eqn.primitive.name, _params_key(eqn.params), tuple(args),
+            tuple(str(v.aval) for v in eqn.outvars))
+
+
+def _literal(v: Any) -> Any:
+    return (str(v.aval), np.asarray(v.val).tobytes())
+
+
+def _params_key(params: Mapping[str, Any]) -> str:
+    return repr(sorted((k, _param(p)) for k, p in params.items()))
+
+
+def _param(p: Any) -> Any:
+    if isinstance(p, (jaxcompat.ClosedJaxpr, jaxcompat.Jaxpr)):
+        return str(p)
+    if isinstance(p, (tuple, list)):
+        return tuple(_param(x) for x in p)
+    if isinstance(p, np.ndarray):
+        return (p.dtype.str, p.shape, p.tobytes())
+    return repr(p)
+
+
+def _same_params(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k] is b[k] or _param(a[k]) == _param(b[k]) for k in a)
+
+
+def _match(ref: jaxcompat.Jaxpr, program: _Program, anchors: dict[Any, Any]
+           ) -> tuple[dict[Any, Any], frozenset[int]]:
+    """Map every equation of `ref` to its own equation of the program, each reading what
+    the mapping says (`anchors`: ref inputs → program variables; the cotangent is bound by
+    the first equation that reads it). Returns the variable map and the program equations
+    used; `NoBackward` names the first ref equation without a counterpart."""
+    ref_constant: dict[Any, Any] = {}
+    work = []
+    for e in ref.eqns:
+        key = constant_key(e, ref_constant)
+        if key is not None:
+            for n, v in enumerate(e.outvars):
+                ref_constant[v] = (key, n)
+        else:
+            work.append(e)
+    budget = [_MATCH_BUDGET]
+    deepest = [0, work[0] if work else None]
+
+    def matches(e, p: int, env: dict) -> dict | None:
+        pe = program.jaxpr.eqns[p]
+        if (pe.primitive is not e.primitive or len(pe.invars) != len(e.invars)
+                or len(pe.outvars) != len(e.outvars) or not _same_params(e.params, pe.params)):
+            return None
+        new = {}
+        for rv, pv in zip(e.invars, pe.invars):
+            if isinstance(rv, jaxcompat.Literal):
+                if not isinstance(pv, jaxcompat.Literal) or _literal(rv) != _literal(pv):
+                    return None
+            elif rv in ref_constant:
+                if isinstance(pv, jaxcompat.Literal) or program.constant.get(pv) != ref_constant[rv]:
+                    return None
+            else:
+                have = env.get(rv, new.get(rv))
+                if have is None:
+                    if isinstance(pv, jaxcompat.Literal) or rv.aval.shape != pv.aval.shape \
+                            or rv.aval.dtype != pv.aval.dtype:
+                        return None
+                    new[rv] = pv
+                elif have is not pv:
+                    return None
+        for rv, pv in zip(e.outvars, pe.outvars):
+            have = env.get(rv)
+            if have is not None and have is not pv:
+                return None
+            new[rv] = pv
+        return new
+
+    def candidates(e, env: dict, used: set) -> list[int]:
+        for rv in e.outvars:
+            if rv in env:
+                p = program.definer.get(env[rv])
+                return [] if p is None or p in used else [p]
+        pools = [program.readers.get(env[rv], []) for rv in e.invars
+                 if not isinstance(rv, jaxcompat.Literal) and rv in env]
+        pool = min(pools, key=len) if pools else program.by_primitive.get(e.primitive.name, [])
+        return [p for p in pool if p not in used]
+
+    def anchored(e, env: dict) -> bool:
+        return any(rv in env for rv in e.outvars) or any(
+            not isinstance(rv, jaxcompat.Literal) and rv in env for rv in e.invars)
+
+    def solve(todo: list, env: dict, used: set) -> tuple[dict, set] | None:
+        if not todo:
+            return env, used
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise NoBackward("the search for the site's derivative took too many steps")
+        pick = next((n for n, e in enumerate(todo) if anchored(e, env)), 0)
+        e = todo[pick]
+        rest = todo[:pick] + todo[pick + 1:]
+        if len(work) - len(todo) > deepest[0]:
+            deepest[:] = [len(work) - len(todo), e]
+        for p in candidates(e, env, used):
+            new = matches(e, p, env)
+            if new is not None:
+                got = solve(rest, {**env, **new}, used | {p})
+                if got is not None:
+                    return got
+        return None
+
+    got = solve(work, dict(anchors), set())
+    if got is None:
+        e = deepest[1]
+        raise NoBackward(f"the program has no counterpart of its derivative's `{e.primitive}` "
+                         "equation")
+    env, used = got
+    return env, frozenset(used)
