@@ -63,10 +63,15 @@ def compare(got: Any, want: Any) -> tuple[tuple[float, str] | None, bool]:
     return worst, rescued
 
 
-def outputs_and_grads(f: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+def outputs_and_grads(f: Callable, args: Sequence[Any], kwargs: Mapping[str, Any],
+                      grads: bool = True) -> Any:
     """f's outputs, and the gradient of a fixed random projection of its float outputs with
-    respect to its float array arguments (None when there is nothing to differentiate)."""
+    respect to its float array arguments (None when there is nothing to differentiate, or
+    `grads` is False: a train step's outputs are its gradients already, and the kernels'
+    backward passes have no derivative of their own)."""
     out = f(*args, **kwargs)
+    if not grads:
+        return out, None
     leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
     at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))
           and jnp.issubdtype(jnp.result_type(x), jnp.floating)]
@@ -137,6 +142,7 @@ class Validated:
         # signature -> sites kept native (site key -> reason); notes per signature
         self.verdicts: dict[tuple, dict[tuple, str]] = {}
         self.notes: dict[tuple, list[str]] = {}
+        self._grads = True  # whether validation differentiates (not a train step's own)
         self._rewritten = Rewritten(fn, kernel, jit_kwargs.get("in_shardings"),
                                     disabled=self._disabled)
         self._jitted = jax.jit(self._rewritten, **jit_kwargs)
@@ -176,7 +182,8 @@ class Validated:
     def _run(self, args, kwargs, off: Mapping[tuple, str]) -> Any:
         rewritten = Rewritten(self._fn, self._kernel, self._jit_kwargs.get("in_shardings"),
                               disabled=lambda *_: off)
-        return outputs_and_grads(jax.jit(rewritten, **self._jit_kwargs), args, kwargs)
+        return outputs_and_grads(jax.jit(rewritten, **self._jit_kwargs), args, kwargs,
+                                 self._grads)
 
     def _validate(self, args, kwargs) -> tuple[dict[tuple, str], list[str]]:
         args, kwargs, generated = _concrete(args, kwargs)
@@ -185,9 +192,11 @@ class Validated:
         keys = [site_key(s) for s, _ in replacements]
         if not keys:
             return {}, []
+        self._grads = not any(getattr(r, "backward", None) for _, r in replacements)
         source = "generated values (the call was traced)" if generated else "the call's values"
         notes = [f"validated on {source}"]
-        want = outputs_and_grads(jax.jit(self._fn, **self._jit_kwargs), args, kwargs)
+        want = outputs_and_grads(jax.jit(self._fn, **self._jit_kwargs), args, kwargs,
+                                 self._grads)
         problem, rescued = self._problem(args, kwargs, {}, want)
         if problem is None:
             if rescued:

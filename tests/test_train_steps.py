@@ -6,6 +6,8 @@ forward and a backward kernel call (flash: fwd, dq, dkv) per site."""
 
 from __future__ import annotations
 
+import warnings
+
 import equinox as eqx
 import flax.linen as nn
 import haiku as hk
@@ -98,6 +100,19 @@ def projected_attention(w, x, heads_kv=H):
 def test_jax_nn_dot_product_attention(heads_kv):
     step = value_and_grad_step(lambda w, x: projected_attention(w, x, heads_kv))
     check_step(step, (qkv_weights(heads_kv), X), sites=1)
+
+
+def test_validate_compares_a_train_steps_outputs():
+    """validate=True on a train step checks its outputs (the gradients), without
+    differentiating the kernels' backward passes a second time."""
+    step = value_and_grad_step(projected_attention)
+    args = (qkv_weights(H), X)
+    fast = hlotool.flash_jit(step, validate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fast(*args)
+    assert fast.report.rewritten == 1, str(fast.report)
+    assert relative_error(got, jax.jit(step)(*args)) < 1e-5
 
 
 def test_gradient_accumulation_loop():
