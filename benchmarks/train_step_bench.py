@@ -86,7 +86,8 @@ def run_child(variant: str, length: int, layers: int, repeats: int, cap_gb: floa
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["?"])[-1]
-        return {"oom": f"failed: {last[:80]}"}
+        return {"oom": "OOM under the cap" if "RESOURCE_EXHAUSTED" in last or "MemoryError" in last
+                else f"failed: {last[:60]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
