@@ -892,12 +892,13 @@ def _conjuncts(link: Link, labels: axes.Labels, roles: _Roles, position: dict[in
     pred, fill_node = link.sides
     keep = link.chain_input == 1  # where(~(a & b), fill, s) keeps where a & b
     return _factors(link.node, pred, keep, uniform_value(fill_node), labels, roles, position,
-                    scores, need_band=True)
+                    scores, need_band=True, lengths=_score_lengths(link.node, labels, roles))
 
 
 def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
              roles: _Roles, position: dict[int, int], scores: Node, *, need_band: bool,
-             rounds_to_fill: bool = False) -> list[MaskTerm] | None:
+             lengths: tuple[int, int] | None, rounds_to_fill: bool = False
+             ) -> list[MaskTerm] | None:
     """The terms of a boolean `pred` (True = `keep`) hiding keys with `fill`, one per factor
     of an AND, seen through layout ops, `not` and `x > 0` of a cast boolean (`labels` are
     `pred`'s). None when a factor depends on the scores, or (`need_band`) none is in kernel
@@ -942,11 +943,12 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
         if uniform_value(leaf) == 1:  # `ones & mask` (jax.nn.dot_product_attention)
             continue
         window = None
-        if qk is not None and all(leaf.shape[a] == pred.shape[a] for a in qk):
+        if qk is not None and lengths is not None and (
+                leaf.shape[qk[0]], leaf.shape[qk[1]]) == lengths:
             found = masks.band(leaf, *qk)
             if found is None:
                 found = _folded_band(leaf, qk)
-            window = masks.window(found, pred.shape[qk[0]], pred.shape[qk[1]])
+            window = masks.window(found, *lengths)
         if window is not None:
             structural = True
             kind = "causal" if window == CAUSAL else "window"
@@ -1024,6 +1026,7 @@ def _bias_as_mask(link: Link, labels: axes.Labels, roles: _Roles, position: dict
     time and computes the additive form where it fails. None for any other bias."""
     if link.node.op != "add":
         return None
+    lengths = _score_lengths(link.node, labels, roles)
     side = link.sides[0]
     while side.op in ("convert", "copy", "broadcast", "reshape"):
         step = axes.backward(side, labels) if side.op != "convert" else (labels, [])
@@ -1041,7 +1044,7 @@ def _bias_as_mask(link: Link, labels: axes.Labels, roles: _Roles, position: dict
                                   and half_ulp(fill, link.node.dtype) >= LOGIT_BOUND):
         return None
     return _factors(link.node, pred, values[0] == 0.0, fill, labels, roles, position, scores,
-                    need_band=False, rounds_to_fill=True)
+                    need_band=False, lengths=lengths, rounds_to_fill=True)
 
 
 def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
@@ -1090,6 +1093,8 @@ def _structural_band(operand: Node, node: Node, labels: axes.Labels, roles: _Rol
             a not in (1, b) for a, b in zip(operand.shape, node.shape)):
         return None
     lq, lk = node.shape[qk[0]], node.shape[qk[1]]
+    if (operand.shape[qk[0]], operand.shape[qk[1]]) != (lq, lk):
+        return None  # one row (or column) broadcast: no band (see `_score_lengths`)
     if kind == "mask":
         window = masks.window(masks.band(operand, *qk, hides=not keep_when), lq, lk)
         return None if window is None else (window, 0.0)
@@ -1126,6 +1131,14 @@ def _broadcast_shape(operand: Node, rank: int) -> tuple[int, ...]:
         if n != 1 and axis_map[a] >= 0:
             out[axis_map[a]] = n
     return tuple(out)
+
+
+def _score_lengths(node: Node, labels: axes.Labels, roles: _Roles) -> tuple[int, int] | None:
+    """(Lq, Lk) of the scores at `node` (`labels` are its axes'). A mask factor is a band
+    only over both whole lengths: a key mask broadcast over the queries is no band of its
+    one row, which it once was read as (query i then saw keys up to i + n)."""
+    qk = _qk_axes(labels, roles)
+    return None if qk is None else (node.shape[qk[0]], node.shape[qk[1]])
 
 
 def _qk_axes(labels: axes.Labels, roles: _Roles) -> tuple[int, int] | None:

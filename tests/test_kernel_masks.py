@@ -100,6 +100,35 @@ def test_an_or_of_half_planes_is_no_window():
     assert (site.site.mask, site.site.window) == ("boolean", None)
 
 
+@pytest.mark.parametrize("form", ["where", "finfo.min bias"])
+@pytest.mark.parametrize("constant", ["iota < length", "numpy array"])
+def test_a_key_mask_broadcast_over_the_queries_is_no_band(constant, form):
+    """`arange(Lk) < n` (or its values, closed over) as [1, 1, 1, Lk]: one row that every
+    query shares. Read as a band of that single row, it once became window (∞, n - 1), so
+    query i saw keys up to i + n - 1 (outputs and dv off by up to 99%)."""
+    n = LK - 37
+    if constant == "numpy array":
+        keep = jnp.asarray(np.arange(LK)[None, None, None, :] < n)
+    else:
+        keep = jnp.arange(LK)[None, None, None, :] < n
+
+    def fn(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+        if form == "where":
+            s = jnp.where(keep, s, -jnp.inf)
+        else:
+            s = s + jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    args = tuple(a[:1] for a in _inputs(LQ, LK))
+    (site,) = detect_jaxpr(jax.make_jaxpr(fn)(*args))
+    assert site.site.window is None and site.site.mask != "local", site.site
+    (want_grads, want), (got_grads, got) = (
+        _value_and_grads(f)(*args) for f in (fn, hlotool.flash_jit(fn, kernel="chunked")))
+    for w, g in zip((want, *want_grads), (got, *got_grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_a_window_is_read_at_any_length():
     """At L = 65536 nothing is folded: the window comes from the iotas alone."""
     fn = _attend(lambda i, j: (j <= i) & (j > i - 4096))
