@@ -29,9 +29,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 H, D = 8, 64
 
 
-def decoder(layers: int):
+STRUCTURES = ("unrolled", "remat", "scan-remat")
+
+
+def decoder(layers: int, structure: str = "unrolled"):
     """fn(x [B, L, H·D], w [layers, 4, H·D, H·D]) -> [B, L, H·D]: pre-norm causal attention
-    blocks written the naive way, with a linear layer after each."""
+    blocks written the naive way, with a linear layer after each. structure: the blocks one
+    after the other ("unrolled"), each under jax.checkpoint ("remat"), or a lax.scan over
+    checkpointed blocks ("scan-remat", as flax's nn.scan(nn.remat(Block)) writes it)."""
     import jax
     import jax.numpy as jnp
 
@@ -41,12 +46,20 @@ def decoder(layers: int):
         s = jnp.where(jnp.tril(jnp.ones((length, length), bool)), s, -1e9)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
 
-    def fn(x, w):
+    def block(x, wi):
         b, length, e = x.shape
+        h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+        q, k, v = (jnp.dot(h, wi[j]).reshape(b, length, H, D) for j in range(3))
+        return x + jnp.dot(attention(q, k, v).reshape(b, length, e), wi[3])
+
+    if structure == "scan-remat":
+        remat = jax.checkpoint(block)
+        return lambda x, w: jax.lax.scan(lambda x, wi: (remat(x, wi), None), x, w[:layers])[0]
+    each = jax.checkpoint(block) if structure == "remat" else block
+
+    def fn(x, w):
         for i in range(layers):
-            h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
-            q, k, v = (jnp.dot(h, w[i, j]).reshape(b, length, H, D) for j in range(3))
-            x = x + jnp.dot(attention(q, k, v).reshape(b, length, e), w[i, 3])
+            x = each(x, w[i])
         return x
 
     return fn

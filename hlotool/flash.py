@@ -32,10 +32,10 @@ from hlotool.kernels.registry import PLATFORMS
 from hlotool.kernels.sharded import mesh_of, on_mesh
 from hlotool.passes import lower
 from hlotool.passes.from_jaxpr import JaxprSite, describe_path, detect_jaxpr, jaxpr_at
-from hlotool.passes.backward import Backward
+from hlotool.passes.backward import Backward, Recompute
 from hlotool.passes.rewrite import (
-    Replacement, RewriteError, check, derivative, free_inputs, inline_calls, rewrite,
-    site_equations,
+    Replacement, RewriteError, check, derivative, free_inputs, inline_calls, prepare,
+    recomputed, rewrite, site_equations,
 )
 from hlotool.site import AttentionSite
 
@@ -101,14 +101,31 @@ def site_key(site: JaxprSite) -> tuple:
     return (site.path, site.eqns)
 
 
-def _form(jaxpr: jaxcompat.Jaxpr, site: JaxprSite
-          ) -> tuple[lower.KernelForm, Backward | None]:
-    """The site's kernel form, and its derivative where the program differentiates it;
-    `RewriteError` when dropping its equations would change the program or no kernel call
-    reproduces it."""
+@dataclasses.dataclass(frozen=True)
+class _Form:
+    """A site's kernel form, and where the program differentiates it, its derivative:
+    beside it (`backward`, a train step) or in `jax.checkpoint` bodies (`recomputes`), with
+    `note` saying why a checkpointed recompute stays native."""
+
+    kernel: lower.KernelForm
+    backward: Backward | None
+    recomputes: tuple[Recompute, ...]
+    note: str
+
+
+def _form(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, skip: frozenset) -> _Form:
+    """`RewriteError` when dropping the site's equations would change the program or no
+    kernel call reproduces it."""
     backward = derivative(jaxpr, site)
     check(jaxpr, site, backward)
-    return lower.lower(site), backward
+    kernel = lower.lower(site)
+    found, missed = recomputed(jaxpr, site, skip)
+    note = ""
+    if found:
+        note = "; its backward under jax.checkpoint recomputes it in the kernel too"
+    elif missed:
+        note = f"; its backward under jax.checkpoint stays native: {missed}"
+    return _Form(kernel, backward, tuple(found), note)
 
 
 def _choices(site: JaxprSite, form: lower.KernelForm, kernel: str) -> dict[str, Any]:
@@ -134,7 +151,8 @@ def scope(index: int, site: AttentionSite) -> str:
 
 def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
                 plan: Mapping[str, str | None], mesh: Any = None, index: int = 0,
-                backward: Backward | None = None) -> Replacement:
+                backward: Backward | None = None, recomputes: Sequence[Recompute] = ()
+                ) -> Replacement:
     """The function computing `site.out` under `plan` (platform → kernel name or None).
 
     It runs under the name scope `scope(index, site)` and each kernel under its own name
@@ -188,6 +206,7 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
             tuple(at.get(m.var) for m in form.operand_masks),
             at[site.q.var], site.q.layout, at[site.k.var], site.k.layout, at[site.v.var],
             site.v.layout, site.out_layout, site.out.aval)
+    run.recomputes = tuple(recomputes)
     run.scope = scope(index, site.site)
     return run
 
@@ -196,36 +215,63 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
 # Whole programs
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `plan_program` decided for a program: the report, the program the sites were
+    found in (`closed` with its nested jits inlined where it differentiates a site), and the
+    replacements, each traced already, for `apply`."""
+
+    report: Report
+    program: jaxcompat.ClosedJaxpr
+    replacements: list[tuple[JaxprSite, Replacement]]
+
+    def apply(self) -> jaxcompat.ClosedJaxpr:
+        return rewrite(self.program, self.replacements)
+
+
 def plan_program(closed: jaxcompat.ClosedJaxpr, function: str, kernel: str = "auto",
-                 disabled: Mapping[tuple, str] | None = None, mesh: Any = None,
-                 ) -> tuple[Report, list[tuple[JaxprSite, Replacement]]]:
-    """Detect and decide every site of `closed`: the report and the replacements to apply."""
+                 disabled: Mapping[tuple, str] | None = None, mesh: Any = None) -> Plan:
+    """Detect and decide every site of `closed`. A site whose replacement cannot be traced
+    or spliced is reported native with the reason, here rather than when it is applied."""
     symbolic = symbolic_dims(closed)
     if symbolic:
-        return Report(function, (), note=(
+        return Plan(Report(function, (), note=(
             f"symbolic dimension{'s' if len(symbolic) > 1 else ''} {', '.join(symbolic)} "
             "(shape polymorphism): attention is detected and rewritten for concrete shapes "
-            "only")), []
+            "only")), closed, [])
+    sites = detect_jaxpr(closed, function)
+    if any(site.escaping for site in sites):
+        # jax's AD of a site inside a nested jit lands in two bodies; inlined, the site's
+        # derivative is beside it (`passes.rewrite.inline_calls`).
+        inlined = inline_calls(closed)
+        if inlined is not closed:
+            closed, sites = inlined, detect_jaxpr(inlined, function)
     disabled = disabled or {}
-    reports, replacements = [], []
-    for index, site in enumerate(detect_jaxpr(closed, function), 1):
+    reports, replacements, cache = [], [], {}
+    sited = frozenset(site.path for site in sites)
+    for index, site in enumerate(sites, 1):
         jaxpr = jaxpr_at(closed, site.path)
         plan = dict.fromkeys(PLATFORMS)
         reason = disabled.get(site_key(site))
         if reason is None:
             try:
-                form, backward = _form(jaxpr, site)
-            except RewriteError as err:
-                reason = str(err)
-            else:
-                choices = _choices(site, form, kernel)
+                form = _form(jaxpr, site, sited)
+                choices = _choices(site, form.kernel, kernel)
                 plan = {p: c.kernel for p, c in choices.items()}
                 reason = "; ".join(f"{p}: {c.reason}" for p, c in choices.items())
                 if any(plan.values()):
-                    replacements.append((site, replacement(jaxpr, site, form, plan, mesh,
-                                                           index, backward)))
+                    replacements.append((site, prepare(jaxpr, site, replacement(
+                        jaxpr, site, form.kernel, plan, mesh, index, form.backward,
+                        form.recomputes), cache)))
+                    reason += form.note
+            except RewriteError as err:
+                plan, reason = dict.fromkeys(PLATFORMS), str(err)
+            except Exception as err:  # noqa: BLE001 - a kernel that cannot trace: keep native
+                plan = dict.fromkeys(PLATFORMS)
+                reason = (f"the replacement could not be traced ({type(err).__name__}: "
+                          f"{first_line(err)})")
         reports.append(SiteReport(site.site, describe_path(closed, site.path), plan, reason))
-    return Report(function, tuple(reports)), replacements
+    return Plan(Report(function, tuple(reports)), closed, replacements)
 
 
 def symbolic_dims(closed: jaxcompat.ClosedJaxpr) -> list[str]:
@@ -263,16 +309,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]
     except TypeError as err:
         raise HlotoolError(f"cannot trace {name_of(fn)}: {first_line(err)}") from err
     out_tree = jax.tree.structure(shape)
-    return differentiable(closed), dyn, lambda outs: jax.tree.unflatten(out_tree, outs)
-
-
-def differentiable(closed: jaxcompat.ClosedJaxpr) -> jaxcompat.ClosedJaxpr:
-    """`closed`, with its nested jits inlined where it takes its own gradient (a site's
-    intermediates are read outside it), so the rewrite finds each site's derivative beside
-    it (`passes.rewrite.inline_calls`)."""
-    if not symbolic_dims(closed) and any(site.escaping for site in detect_jaxpr(closed)):
-        return inline_calls(closed)
-    return closed
+    return closed, dyn, lambda outs: jax.tree.unflatten(out_tree, outs)
 
 
 def name_of(fn: Callable) -> str:
@@ -299,11 +336,12 @@ class Rewritten:
     def __call__(self, *args, **kwargs):
         closed, dyn, unflatten = trace(self.fn, args, kwargs)
         off = self.disabled(args, kwargs) if self.disabled is not None else None
-        self.report, replacements = plan_program(closed, name_of(self.fn), self.kernel, off,
-                                                 mesh_of(dyn, self.in_shardings))
+        plan = plan_program(closed, name_of(self.fn), self.kernel, off,
+                            mesh_of(dyn, self.in_shardings))
+        self.report = plan.report
         if self.report.note:
             warnings.warn(f"flash_jit: {self.report}", stacklevel=2)
-        closed = rewrite(closed, replacements)
+        closed = plan.apply()
         return unflatten(jaxcompat.eval_jaxpr(closed.jaxpr, closed.consts, *dyn))
 
 
@@ -313,8 +351,7 @@ def explain(fn: Callable, *args: Any, kernel: str = "auto", **kwargs: Any) -> Re
     if kernel != "auto":
         kernels.get(kernel)
     closed, _, _ = trace(fn, args, kwargs)
-    report, _ = plan_program(closed, name_of(fn), kernel)
-    return report
+    return plan_program(closed, name_of(fn), kernel).report
 
 
 def flash_jit(fn: Callable, *, kernel: str = "auto", validate: bool = False,

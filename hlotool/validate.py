@@ -188,11 +188,12 @@ class Validated:
     def _validate(self, args, kwargs) -> tuple[dict[tuple, str], list[str]]:
         args, kwargs, generated = _concrete(args, kwargs)
         closed, _, _ = trace(self._fn, args, kwargs)
-        _, replacements = plan_program(closed, name_of(self._fn), self._kernel)
+        replacements = plan_program(closed, name_of(self._fn), self._kernel).replacements
         keys = [site_key(s) for s, _ in replacements]
         if not keys:
             return {}, []
-        self._grads = not any(getattr(r, "backward", None) for _, r in replacements)
+        self._grads = not any(getattr(r, "backward", None) or getattr(r, "recomputes", ())
+                             for _, r in replacements)
         source = "generated values (the call was traced)" if generated else "the call's values"
         notes = [f"validated on {source}"]
         want = outputs_and_grads(jax.jit(self._fn, **self._jit_kwargs), args, kwargs,

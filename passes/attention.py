@@ -82,10 +82,13 @@ _SHIFT = Through(Alt(  # jax.nn.softmax writes max(reduce_max(x), -inf)
     _ROW_MAX, Op("max", _ROW_MAX, Const(lambda v: v == -math.inf), commutative=True)))
 _EXP = Op("exp", Alt(Op("sub", LOGITS, _SHIFT), LOGITS), name="exp")
 _ROW_SUM = Through(Op("reduce_sum", Same("exp"), name="row_sum"))
+# A copy between exp and its uses: jax's remat writes no-op reduce_precision ops (which the
+# front ends read as copies) on the values a checkpoint policy saves.
+_EXP_VALUE = Through(_EXP, frozenset({"copy"}))
 SOFTMAX = Alt(
-    Op("div", _EXP, _ROW_SUM, name="probs"),  # e / sum(e)
-    Op("mul", _EXP, Through(Op("div", Const(lambda v: v == 1.0), _ROW_SUM)),  # e * (1 / sum(e))
-       commutative=True, name="probs"),
+    Op("div", _EXP_VALUE, _ROW_SUM, name="probs"),  # e / sum(e)
+    Op("mul", _EXP_VALUE, Through(Op("div", Const(lambda v: v == 1.0), _ROW_SUM)),
+       commutative=True, name="probs"),  # e * (1 / sum(e))
 )
 
 # After the softmax: layout ops, multiplications by values constant along the keys (a

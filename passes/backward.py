@@ -101,12 +101,18 @@ def reference(own, inputs: Sequence[Any], out_aval: Any, wrt: Sequence[int]
               ) -> jaxcompat.ClosedJaxpr:
     """jax's AD of the site's own equations `own`, as the program's `jax.grad` writes it:
     a jaxpr from (inputs..., cotangent of out) to (out, cotangents of inputs[wrt])."""
-    specs = [_spec(v.aval) for v in inputs]
-    return jax.make_jaxpr(with_gradient(own, inputs, wrt))(*specs, _spec(out_aval))
+    specs = [spec(v.aval) for v in inputs]
+    return jax.make_jaxpr(with_gradient(own, inputs, wrt))(*specs, spec(out_aval))
 
 
-def _spec(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+def spec(aval: Any) -> jax.ShapeDtypeStruct:
+    """A value of type `aval` to trace with, keeping the sharding an explicit-axis mesh puts
+    in the type."""
+    sharding = getattr(aval, "sharding", None)
+    if sharding is not None and sharding.mesh.empty:
+        sharding = None
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
+                                sharding=sharding)
 
 
 def find_backward(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[Any], own
@@ -141,6 +147,140 @@ def find_backward(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[Any]
         return program.split(site, tuple(inputs[i] for i in wrt), ct, grads, used)
     reason = min(failures, key=len) if failures else "no input of the site is a float"
     raise NoBackward(reason)
+
+
+# Primitives of `jax.checkpoint`: under AD, one equation whose body recomputes what the
+# forward did not save and runs the backward from it (`differentiated=True`).
+REMAT = ("remat2", "checkpoint", "remat")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """jax's AD of a site under `jax.checkpoint` when the checkpointed body recomputes the
+    site only for its derivative (the site's output itself is not needed there), so the
+    body holds no site of its own: the scores and probabilities are rebuilt from q, k, v
+    and turned, with the cotangent, into the inputs' cotangents. Variables of the body.
+
+    path       the body: `site.path + ((index of the remat equation, "jaxpr"),)`.
+    inputs     per site input (`free_inputs` order), the body variable holding its value.
+    wrt        indices into `inputs` of those the body differentiates.
+    cotangent  the body's cotangent of the site's output.
+    grads      per `wrt`, the variable holding the site's contribution to its cotangent.
+    equations  indices of the body equations this replaces.
+    first      where the replacement goes: the first of them to read the cotangent.
+    """
+
+    path: tuple
+    inputs: tuple[Any, ...]
+    wrt: tuple[int, ...]
+    cotangent: Any
+    grads: tuple[Any, ...]
+    equations: frozenset[int]
+    first: int
+
+
+def find_recomputes(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[Any], own,
+                    skip: frozenset = frozenset()) -> tuple[list[Recompute], list[str]]:
+    """The bodies of `jax.checkpoint` equations in `jaxpr` that recompute `site` for its
+    derivative, and why each body that rebuilds the site's scores did not match.
+
+    A body's match binds the site's inputs to body variables. The replacement computes the
+    site's function of those values, so each must hold the value the site's own input does
+    (or be q, k or v, whose values the form makes no assumption about): the same operand
+    passed to the checkpoint, or computed the same way from the same values (a causal
+    mask's iotas, a broadcast of a passed padding mask)."""
+    found, missed = [], []
+    scores = {str(jaxpr.eqns[i].outvars[0].aval) for i in site.eqns
+              if jaxpr.eqns[i].primitive.name == "exp"}
+    qkv = {o.var for o in (site.q, site.k, site.v)}
+    for at, eqn in enumerate(jaxpr.eqns):
+        path = site.path + ((at, "jaxpr"),)
+        if eqn.primitive.name not in REMAT or not eqn.params.get("differentiated") \
+                or path in skip:
+            continue
+        body = eqn.params["jaxpr"]
+        body = body.jaxpr if isinstance(body, jaxcompat.ClosedJaxpr) else body
+        if not any(e.primitive.name == "exp" and str(e.outvars[0].aval) in scores
+                   for e in body.eqns):
+            continue
+        try:
+            found.append(_recompute(jaxpr, eqn, body, path, site, inputs, own, qkv))
+        except NoBackward as err:
+            missed.append(str(err))
+    return found, missed
+
+
+def _recompute(jaxpr: jaxcompat.Jaxpr, eqn: jaxcompat.JaxprEqn, body: jaxcompat.Jaxpr,
+               path: tuple, site: JaxprSite, inputs: Sequence[Any], own, qkv: set
+               ) -> Recompute:
+    program = _Program(body)
+    passed = {}
+    for outer, inner in zip(eqn.invars, body.invars):
+        if not isinstance(outer, jaxcompat.Literal):
+            passed.setdefault(outer, inner)
+    same = _SameValue(jaxpr, eqn, body)
+    failures = []
+    for wrt in differentiated(inputs, site):
+        ref = reference(own, inputs, site.out.aval, wrt)
+        if ref.consts:
+            raise NoBackward("the site's derivative closes over constants")
+        grads_only = ref.jaxpr.replace(outvars=ref.jaxpr.outvars[1:])
+        live = _live(grads_only)
+        grads_only = grads_only.replace(
+            eqns=[e for i, e in enumerate(grads_only.eqns) if i in live])
+        anchors = {r: passed[v] for r, v in zip(ref.jaxpr.invars, inputs) if v in passed}
+        try:
+            env, used = _match(grads_only, program, anchors)
+        except NoBackward as err:
+            failures.append(str(err))
+            continue
+        bound = tuple(env.get(r) for r in ref.jaxpr.invars[:-1])
+        ct = env.get(ref.jaxpr.invars[-1])
+        grads = tuple(env.get(v) for v in grads_only.outvars)
+        if ct is None or any(b is None for b in bound) or any(
+                g is None or g in program.constant for g in grads):
+            failures.append("the checkpointed body differentiates other inputs of the site")
+            continue
+        for v, b in zip(inputs, bound):
+            if v not in qkv and not same(v, b):
+                raise NoBackward(f"the checkpointed body's {v.aval.str_short()} operand is "
+                                 "not shown to hold the value the site reads")
+        return Recompute(path, bound, tuple(wrt), ct, grads,
+                         *program.replaced(used, ct, grads, (*bound, ct)))
+    raise NoBackward(min(failures, key=len) if failures else "no input of the site is a float")
+
+
+class _SameValue:
+    """Whether a variable of `jaxpr` and one of the body of its equation `eqn` hold the same
+    value: the body's input that `eqn` passes it, or both computed by the same equations from
+    values that are the same (a structural proof, not a numerical check)."""
+
+    def __init__(self, jaxpr: jaxcompat.Jaxpr, eqn: jaxcompat.JaxprEqn,
+                 body: jaxcompat.Jaxpr):
+        self.outer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        self.inner = {v: e for e in body.eqns for v in e.outvars}
+        self.passed = {b: o for o, b in zip(eqn.invars, body.invars)}
+        self.memo: dict[tuple[int, int], bool] = {}
+
+    def __call__(self, a: Any, b: Any, depth: int = 0) -> bool:
+        a_lit, b_lit = isinstance(a, jaxcompat.Literal), isinstance(b, jaxcompat.Literal)
+        if a_lit or b_lit:
+            return a_lit and b_lit and _literal(a) == _literal(b)
+        if b in self.passed:
+            return self.passed[b] is a
+        key = (id(a), id(b))
+        if key not in self.memo:
+            self.memo[key] = depth < 32 and self._same_equation(a, b, depth)
+        return self.memo[key]
+
+    def _same_equation(self, a, b, depth) -> bool:
+        ea, eb = self.outer.get(a), self.inner.get(b)
+        if ea is None or eb is None or ea.primitive is not eb.primitive or ea.effects \
+                or len(ea.invars) != len(eb.invars) or not _same_params(ea.params, eb.params):
+            return False
+        if ea.outvars.index(a) != eb.outvars.index(b):
+            return False
+        return all(self(x, y, depth + 1) for x, y in zip(ea.invars, eb.invars))
 
 
 class _Program:
@@ -196,6 +336,32 @@ class _Program:
                         f"a value of the site's derivative ({v.aval.str_short()}) is also "
                         "used outside it")
         return Backward(tuple(wrt), ct, tuple(grads), frozenset(forward), frozenset(backward))
+
+
+    def replaced(self, used: frozenset[int], ct, grads, reads) -> tuple[frozenset[int], int]:
+        """The matched equations of a recompute, and where one call replacing them goes;
+        `NoBackward` where dropping them would change the program or that call would read
+        a value defined after it."""
+        eqns = self.jaxpr.eqns
+        tainted, first = {ct}, None
+        for i in sorted(used):
+            if any(v in tainted for v in eqns[i].invars if not isinstance(v, jaxcompat.Literal)):
+                tainted.update(eqns[i].outvars)
+                first = i if first is None else first
+        if first is None:
+            raise NoBackward("the site's derivative does not read the output's cotangent")
+        outputs = {v for v in self.jaxpr.outvars if not isinstance(v, jaxcompat.Literal)}
+        for i in used:
+            for v in eqns[i].outvars:
+                if v not in grads and (v in outputs or any(
+                        r not in used and r in self.live for r in self.readers.get(v, ()))):
+                    raise NoBackward(f"a value of the site's derivative ({v.aval.str_short()}) "
+                                     "is also used outside it")
+        for v in reads:
+            at = self.definer.get(v)
+            if at is not None and (at in used or at >= first):
+                raise NoBackward("the recompute reads a value defined after its backward begins")
+        return frozenset(used), first
 
 
 def _live(jaxpr: jaxcompat.Jaxpr) -> set[int]:

@@ -16,7 +16,9 @@ import numpy as np
 from hlotool.hlo import Computation, Instruction, Module, as_module
 from hlotool.passes.attention import Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, as_product, uniform_value
+from hlotool.passes.graph import (
+    MAX_FOLD_ELEMENTS, Graph, Node, as_product, rounds_to_itself, uniform_value,
+)
 from hlotool.site import AttentionSite
 from hlotool.source import user_source
 
@@ -85,6 +87,11 @@ def _normalize(inst: Instruction, module: Module) -> tuple[str, dict, list[str]]
         return "concatenate", {"axis": inst.dims("dimensions")[0]}, operands
     if op == "iota":
         return "iota", {"dimension": int(inst.attributes["iota_dimension"])}, operands
+    if op == "reduce-precision" and rounds_to_itself(
+            _DTYPES.get(inst.shape.element_type, ""),
+            int(inst.attributes.get("exponent_bits", -1)),
+            int(inst.attributes.get("mantissa_bits", -1))):
+        return "copy", {}, operands
     return _RENAMED.get(op, op), {}, operands
 
 

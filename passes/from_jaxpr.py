@@ -22,7 +22,9 @@ from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
 from hlotool.passes.attention import Layout, Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
-from hlotool.passes.graph import MAX_FOLD_ELEMENTS, Graph, Node, as_product, compares_with_constant
+from hlotool.passes.graph import (
+    MAX_FOLD_ELEMENTS, Graph, Node, as_product, compares_with_constant, fold, rounds_to_itself,
+)
 from hlotool.site import AttentionSite
 from hlotool.source import user_source
 
@@ -119,6 +121,9 @@ def _normalize(eqn: jaxcompat.JaxprEqn) -> tuple[str, dict[str, Any], tuple[int,
         return prim, {"axis": int(p["dimension"])}, None
     if prim == "integer_pow":
         return prim, {"y": p["y"]}, None
+    if prim == "reduce_precision" and rounds_to_itself(
+            str(eqn.outvars[0].aval.dtype), p["exponent_bits"], p["mantissa_bits"]):
+        return "copy", {}, None
     return _RENAMED.get(prim, prim), {}, None
 
 
@@ -126,13 +131,19 @@ class _Builder:
     def __init__(self) -> None:
         self.regions: list[Graph] = []
 
-    def region(self, jaxpr: jaxcompat.Jaxpr, consts: list[Any], path: Path) -> None:
+    def region(self, jaxpr: jaxcompat.Jaxpr, consts: list[Any], path: Path,
+               known: dict[Any, np.ndarray] | None = None) -> None:
+        """`known`: inputs of the body that hold one value on every iteration, a constant
+        of the caller (a scan's loop-invariant operands: jax's AD passes a mask's fill so)."""
         graph = Graph([], path)
         self.regions.append(graph)
         env: dict[Any, Node] = {}
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = self._constant(v.aval, c, JaxprRef(path, -1, v), graph)
         for v in jaxpr.invars:
+            if known and v in known:
+                env[v] = self._constant(v.aval, known[v], JaxprRef(path, -1, v), graph)
+                continue
             env[v] = Node("parameter", (), tuple(v.aval.shape), str(v.aval.dtype),
                           ref=JaxprRef(path, -1, v))
             graph.nodes.append(env[v])
@@ -162,8 +173,15 @@ class _Builder:
                     subs = eqn.params[param]
                     named = ([(f"{param}[{j}]", s) for j, s in enumerate(subs)]
                              if isinstance(subs, (tuple, list)) else [(param, subs)])
+                    known = None
+                    if prim == "scan":
+                        known = {}
+                        for v, node in zip(subs.jaxpr.invars[:eqn.params["num_consts"]], inputs):
+                            value = fold(node)
+                            if value is not None:
+                                known[v] = value
                     for name, sub in named:
-                        self.region(sub.jaxpr, list(sub.consts), path + ((index, name),))
+                        self.region(sub.jaxpr, list(sub.consts), path + ((index, name),), known)
             op, params, order = _normalize(eqn)
             if order is not None:
                 inputs = [inputs[i] for i in order]

@@ -114,6 +114,16 @@ def as_product(dot: Node, inner_ref: Any = None) -> list[Node] | None:
     return nodes
 
 
+def rounds_to_itself(dtype: str, exponent_bits: int, mantissa_bits: int) -> bool:
+    """Whether a reduce_precision to these bits leaves every `dtype` value as it is (a copy):
+    jax's remat writes such ops on the values a checkpoint policy saves."""
+    try:
+        info = np.finfo(_np_dtype(dtype))
+    except (TypeError, ValueError):
+        return False
+    return (exponent_bits, mantissa_bits) == (info.nexp, info.nmant)
+
+
 def strip(node: Node, ops: Iterable[str] = ("convert", "copy", "stop_gradient")) -> Node:
     """The node under any chain of the given unary ops."""
     ops = frozenset(ops)

@@ -26,6 +26,7 @@ are not visible at its level: dropping its equations would change the program.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Any, Callable, Mapping, Sequence
 
@@ -33,8 +34,10 @@ import jax
 
 from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
-from hlotool.passes.backward import Backward, NoBackward, find_backward, with_gradient
-from hlotool.passes.from_jaxpr import JaxprSite, Path, subjaxpr
+from hlotool.passes.backward import (
+    REMAT, Backward, NoBackward, Recompute, find_backward, find_recomputes, spec, with_gradient,
+)
+from hlotool.passes.from_jaxpr import JaxprSite, Path, jaxpr_at, subjaxpr
 from hlotool.passes.logits import STRUCTURAL
 
 # Computes a site's output [out var's shape] from the site's free inputs, keyed by variable.
@@ -43,6 +46,9 @@ from hlotool.passes.logits import STRUCTURAL
 # which site each op belongs to. A `backward` attribute (a `Backward`) marks a site of a
 # program that differentiates itself: the pass replaces its derivative too.
 Replacement = Callable[[Mapping[Any, jax.Array]], jax.Array]
+
+# The name of every call the pass splices: `jit(hlotool_flash)` in HLO and in profiles.
+CALL = "hlotool_flash"
 
 
 class RewriteError(HlotoolError):
@@ -89,6 +95,22 @@ def derivative(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> Backward | None:
     `RewriteError` when something else does."""
     if not site.escaping:
         return None
+    saved = [e for e in jaxpr.eqns if e.primitive.name in REMAT
+             and any(v in site.escaping for v in e.invars)]
+    if saved:
+        raise RewriteError(
+            "jax.checkpoint's policy saves intermediate values of the attention for the "
+            "backward inside the checkpointed body, where the kernel's backward cannot "
+            "replace it: use a policy that recomputes the attention (nothing_saveable, "
+            "dots_with_no_batch_dims_saveable, or save_only_these_names without them)")
+    outputs = {v for v in jaxpr.outvars if not isinstance(v, jaxcompat.Literal)}
+    if site.path and site.escaping & outputs:
+        raise RewriteError(
+            "intermediate values of the attention leave the loop body as residuals for a "
+            "backward in another body (jax.grad of a lax.scan over layers), which is not "
+            "matched: put the layer under jax.checkpoint (flax nn.remat), whose backward "
+            "recomputes it beside its derivative, or rewrite the loss: "
+            "jax.grad(flash_jit(loss))")
     try:
         return find_backward(jaxpr, site, free_inputs(jaxpr, site), site_equations(jaxpr, site))
     except NoBackward as err:
@@ -97,6 +119,19 @@ def derivative(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> Backward | None:
             f"intermediate values of the attention ({names}) are used outside it, and not "
             f"as jax's gradient of it: {err} (to rewrite a train step whose gradient cannot "
             "be matched, rewrite the loss instead: jax.grad(flash_jit(loss)))") from None
+
+
+def recomputed(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, skip: frozenset = frozenset()
+               ) -> tuple[list[Recompute], str | None]:
+    """Where the program differentiates `site` under `jax.checkpoint`, the checkpointed
+    bodies that recompute it for its derivative (`passes.backward.find_recomputes`), and,
+    when a body rebuilds its scores but did not match, why. Bodies at a path in `skip` hold
+    a site of their own, rewritten as one."""
+    if site.escaping:
+        return [], None
+    found, missed = find_recomputes(jaxpr, site, free_inputs(jaxpr, site),
+                                    site_equations(jaxpr, site), skip)
+    return found, (min(missed, key=len) if missed else None)
 
 
 def check(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, backward: Backward | None = None) -> None:
@@ -190,16 +225,10 @@ def inline_calls(closed: jaxcompat.ClosedJaxpr) -> jaxcompat.ClosedJaxpr:
     def program(*args):
         return run(closed.jaxpr, closed.consts, args)
 
-    return jax.make_jaxpr(program)(*(_spec(a) for a in closed.in_avals))
+    return jax.make_jaxpr(program)(*(spec(a) for a in closed.in_avals))
 
 
-def _explicit_sharding(aval: Any) -> Any:
-    """The sharding an aval carries in its type (explicit-axis meshes), else None."""
-    sharding = getattr(aval, "sharding", None)
-    return sharding if sharding is not None and not sharding.mesh.empty else None
-
-
-def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str,
+def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any,
                 cache: dict[Any, jaxcompat.JaxprEqn]) -> jaxcompat.JaxprEqn:
     """`fn` traced into one `jit` equation reading `inputs` and defining `out`.
 
@@ -208,15 +237,15 @@ def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, name: str,
     """
     key = getattr(fn, "cache_key", None)
     if key is not None:
-        key = (key, name, tuple(v.aval for v in inputs))
+        key = (key, tuple(v.aval for v in inputs))
         if key in cache:
             return cache[key].replace(invars=list(inputs), outvars=[out])
 
     def flat(*xs):
         return fn(dict(zip(inputs, xs)))
 
-    flat.__name__ = name
-    specs = [_spec(v.aval) for v in inputs]
+    flat.__name__ = CALL
+    specs = [spec(v.aval) for v in inputs]
     closed = jax.make_jaxpr(jax.jit(flat))(*specs)
     (eqn,) = closed.jaxpr.eqns
     got, want = eqn.outvars[0].aval, out.aval
@@ -262,17 +291,12 @@ def _as_eqn(body: jaxcompat.ClosedJaxpr, name: str) -> jaxcompat.JaxprEqn:
         return jaxcompat.eval_jaxpr(body.jaxpr, body.consts, *xs)
 
     flat.__name__ = name
-    (eqn,) = jax.make_jaxpr(jax.jit(flat))(*(_spec(v.aval) for v in body.jaxpr.invars)).jaxpr.eqns
+    (eqn,) = jax.make_jaxpr(jax.jit(flat))(*(spec(v.aval) for v in body.jaxpr.invars)).jaxpr.eqns
     return eqn
 
 
-def _spec(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
-                                sharding=_explicit_sharding(aval))
-
-
-def _traced_pair(fn: Replacement, inputs: list[Any], site: JaxprSite, backward: Backward,
-                 name: str) -> tuple[jaxcompat.JaxprEqn, jaxcompat.JaxprEqn]:
+def _traced_pair(fn: Replacement, inputs: list[Any], site: JaxprSite, backward: Backward
+                 ) -> tuple[jaxcompat.JaxprEqn, jaxcompat.JaxprEqn]:
     """jax's AD of `fn` as two equations: the forward, defining `site.out` and residuals,
     and the backward, reading them and `backward.cotangent` and defining `backward.grads`."""
     wrt = [inputs.index(v) for v in backward.wrt]
@@ -281,46 +305,93 @@ def _traced_pair(fn: Replacement, inputs: list[Any], site: JaxprSite, backward: 
         raise RewriteError(f"the program's cotangent {ct_aval.str_short()} does not match the "
                            f"site's output {site.out.aval.str_short()}")
     traced = jax.make_jaxpr(with_gradient(fn, inputs, wrt))(
-        *(_spec(v.aval) for v in inputs), _spec(ct_aval))
+        *(spec(v.aval) for v in inputs), spec(ct_aval))
     for got, want in zip(traced.jaxpr.outvars, (site.out, *backward.grads)):
         if (got.aval.shape, got.aval.dtype) != (want.aval.shape, want.aval.dtype):
             raise RewriteError(f"replacement's derivative gives {got.aval.str_short()} where "
                                f"the program has {want.aval.str_short()}")
     forward, back, passed = _split(traced)
-    fwd = _as_eqn(forward, name)
+    fwd = _as_eqn(forward, CALL)
     fwd = fwd.replace(invars=list(inputs), outvars=[site.out, *fwd.outvars[1:]])
-    bwd = _as_eqn(back, f"{name}_backward")
+    bwd = _as_eqn(back, f"{CALL}_backward")
     bwd = bwd.replace(invars=[*fwd.outvars[1:], *(inputs[i] for i in passed),
                               backward.cotangent], outvars=list(backward.grads))
     return fwd, bwd
 
 
-def _substitute(jaxpr: jaxcompat.Jaxpr, sites: Sequence[tuple[JaxprSite, Replacement]],
-                name: str, cache: dict[Any, jaxcompat.JaxprEqn]) -> jaxcompat.Jaxpr:
+@dataclasses.dataclass(frozen=True)
+class Splice:
+    """One edit of the jaxpr at `path`: drop the equations `drop`, put `calls[i]` at i."""
+
+    path: Path
+    drop: frozenset[int]
+    calls: Mapping[int, jaxcompat.JaxprEqn]
+
+
+def prepare(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, fn: Replacement,
+            cache: dict[Any, jaxcompat.JaxprEqn] | None = None) -> Replacement:
+    """`fn`, checked and traced for `site` of `jaxpr` now (`fn.splices`), so that a
+    replacement which cannot be spliced raises `RewriteError` while the site can still be
+    reported native, not later in `rewrite`. `cache` is shared by the sites of a program."""
+    fn.splices = _splices(jaxpr, site, fn, {} if cache is None else cache)
+    return fn
+
+
+def _splices(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, fn: Replacement,
+             cache: dict[Any, jaxcompat.JaxprEqn]) -> list[Splice]:
+    backward = getattr(fn, "backward", None)
+    check(jaxpr, site, backward)
+    at = next(i for i in site.eqns if site.out in jaxpr.eqns[i].outvars)
+    inputs = free_inputs(jaxpr, site)
+    if backward is None:
+        calls = {at: _traced_eqn(fn, inputs, site.out, cache)}
+    else:
+        fwd, bwd = _traced_pair(fn, inputs, site, backward)
+        calls = {at: fwd, min(backward.backward): bwd}
+    # The calls carry the site's own source line, so HLO metadata points at the user, and
+    # its scope; set here, not while tracing, so identical sites share one trace.
+    info = _info(jaxpr.eqns[at], fn)
+    own = set(site.eqns) | (backward.equations if backward is not None else set())
+    splices = [Splice(site.path, frozenset(own),
+                      {i: e.replace(source_info=info) for i, e in calls.items()})]
+    for r in getattr(fn, "recomputes", ()):
+        call = _traced_recompute(fn, inputs, r).replace(source_info=info)
+        splices.append(Splice(r.path, r.equations, {r.first: call}))
+    return splices
+
+
+def _info(eqn: jaxcompat.JaxprEqn, fn: Replacement) -> Any:
+    info = eqn.source_info
+    scope = getattr(fn, "scope", None)
+    return info.replace(name_stack=info.name_stack.extend(scope)) if scope else info
+
+
+def _traced_recompute(fn: Replacement, inputs: list[Any], r: Recompute) -> jaxcompat.JaxprEqn:
+    """jax's AD of `fn` as one call reading the body's values of the site's inputs and its
+    cotangent, defining the body's gradient variables: the kernel recomputes its forward."""
+    both = with_gradient(fn, inputs, r.wrt)
+
+    def grads(*args):
+        return both(*args)[1:]
+
+    grads.__name__ = f"{CALL}_recompute"
+    (eqn,) = jax.make_jaxpr(jax.jit(grads))(
+        *(spec(v.aval) for v in (*r.inputs, r.cotangent))).jaxpr.eqns
+    for got, want in zip(eqn.outvars, r.grads):
+        if (got.aval.shape, got.aval.dtype) != (want.aval.shape, want.aval.dtype):
+            raise RewriteError(f"replacement's derivative gives {got.aval.str_short()} where "
+                               f"the checkpointed body has {want.aval.str_short()}")
+    return eqn.replace(invars=[*r.inputs, r.cotangent], outvars=list(r.grads))
+
+
+def _substitute(jaxpr: jaxcompat.Jaxpr, splices: Sequence[Splice]) -> jaxcompat.Jaxpr:
     drop: set[int] = set()
     placed: dict[int, jaxcompat.JaxprEqn] = {}
-    for site, fn in sites:
-        backward = getattr(fn, "backward", None)
-        check(jaxpr, site, backward)
-        own = set(site.eqns) | (backward.equations if backward is not None else set())
-        if drop & own:
+    for splice in splices:
+        if drop & splice.drop or placed.keys() & splice.calls.keys():
             raise RewriteError("two sites share equations")
-        at = next(i for i in site.eqns if site.out in jaxpr.eqns[i].outvars)
-        inputs = free_inputs(jaxpr, site)
-        if backward is None:
-            traced = {at: _traced_eqn(fn, inputs, site.out, name, cache)}
-        else:
-            fwd, bwd = _traced_pair(fn, inputs, site, backward, name)
-            traced = {at: fwd, min(backward.backward): bwd}
-        # The calls carry the site's own source line, so HLO metadata points at the user,
-        # and its scope; set here, not while tracing, so identical sites share one trace.
-        info = jaxpr.eqns[at].source_info
-        scope = getattr(fn, "scope", None)
-        if scope:
-            info = info.replace(name_stack=info.name_stack.extend(scope))
-        for i, eqn in traced.items():
-            placed[i] = eqn.replace(source_info=info)
-        drop.update(own)
+        drop.update(splice.drop)
+        placed.update(splice.calls)
     eqns = [placed[i] if i in placed else e for i, e in enumerate(jaxpr.eqns)
             if i in placed or i not in drop]
     return jaxpr.replace(eqns=eqns)
@@ -334,10 +405,9 @@ def _with_sub(eqn: jaxcompat.JaxprEqn, param: str, new) -> jaxcompat.JaxprEqn:
     return eqn.replace(params={**eqn.params, param: new})
 
 
-def _rebuild(jaxpr: jaxcompat.Jaxpr, here: Path,
-             by_path: Mapping[Path, list[tuple[JaxprSite, Replacement]]], name: str,
-             cache: dict[Any, jaxcompat.JaxprEqn]) -> jaxcompat.Jaxpr:
-    """`jaxpr` (at `here`) with the sites at and below it substituted; interface kept."""
+def _rebuild(jaxpr: jaxcompat.Jaxpr, here: Path, by_path: Mapping[Path, list[Splice]]
+             ) -> jaxcompat.Jaxpr:
+    """`jaxpr` (at `here`) with the splices at and below it applied; interface kept."""
     deeper: dict[tuple[int, str], None] = {}
     for path in by_path:
         if len(path) > len(here) and path[:len(here)] == here:
@@ -347,26 +417,32 @@ def _rebuild(jaxpr: jaxcompat.Jaxpr, here: Path,
         for index, param in deeper:
             sub = subjaxpr(eqns[index], param)
             inner = sub.jaxpr if isinstance(sub, jaxcompat.ClosedJaxpr) else sub
-            new = _rebuild(inner, here + ((index, param),), by_path, name, cache)
+            new = _rebuild(inner, here + ((index, param),), by_path)
             new = sub.replace(jaxpr=new) if isinstance(sub, jaxcompat.ClosedJaxpr) else new
             eqns[index] = _with_sub(eqns[index], param, new)
         jaxpr = jaxpr.replace(eqns=eqns)
     if here in by_path:
-        jaxpr = _substitute(jaxpr, by_path[here], name, cache)
+        jaxpr = _substitute(jaxpr, by_path[here])
     jaxpr, _ = jaxcompat.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     return jaxpr
 
 
-def rewrite(closed: jaxcompat.ClosedJaxpr, replacements: Sequence[tuple[JaxprSite, Replacement]],
-            name: str = "hlotool_flash") -> jaxcompat.ClosedJaxpr:
-    """`closed` with each site computed by its replacement (traced as a `jit` named `name`).
+def rewrite(closed: jaxcompat.ClosedJaxpr, replacements: Sequence[tuple[JaxprSite, Replacement]]
+            ) -> jaxcompat.ClosedJaxpr:
+    """`closed` with each site computed by its replacement (traced as a `jit` named `CALL`,
+    or as `prepare` traced it).
 
     Sites must come from `detect_jaxpr(closed)`; their paths and equation indices refer to it.
     Raises `RewriteError` naming the reason when a site cannot be dropped safely.
     """
     if not replacements:
         return closed
-    by_path: dict[Path, list[tuple[JaxprSite, Replacement]]] = defaultdict(list)
+    by_path: dict[Path, list[Splice]] = defaultdict(list)
+    cache: dict[Any, jaxcompat.JaxprEqn] = {}
     for site, fn in replacements:
-        by_path[site.path].append((site, fn))
-    return closed.replace(jaxpr=_rebuild(closed.jaxpr, (), by_path, name, {}))
+        splices = getattr(fn, "splices", None)
+        if splices is None:
+            splices = _splices(jaxpr_at(closed, site.path), site, fn, cache)
+        for splice in splices:
+            by_path[splice.path].append(splice)
+    return closed.replace(jaxpr=_rebuild(closed.jaxpr, (), by_path))

@@ -77,6 +77,9 @@ class Step:
     # mask "band" / "band_and_padding": (left, right), query i sees keys i - left .. i + right
     # (None: unbounded), built in the program from iotas (abs(i - j) <= w when left == right)
     window: tuple = ()
+    # mask: its value closed over as a constant of the program (a key padding mask then keeps
+    # its [B, 1, 1, Lk] shape), not an argument
+    constant: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +136,8 @@ class Program:
                     out.append("window:" + ",".join(str(w) for w in s.window))
                 if s.empty_row:
                     out.append("empty_row")
+                if s.constant:
+                    out.append("constant_mask")
             elif s.kind == "bias":
                 out.append(f"bias:{s.shape}" + (f"+{s.extreme}" if s.extreme else ""))
             else:
@@ -177,7 +182,8 @@ def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray:
             lengths[0] = 0
         m = (j < lengths[:, None, None, None])
     m = np.broadcast_to(m, (p.b, 1, p.lq, p.lk)).copy()
-    if step.mask in ("causal_and_padding", "band_and_padding", "band"):
+    if step.mask in ("causal_and_padding", "band_and_padding", "band") or (
+            step.mask == "key_padding" and step.constant):
         return m[:, :, :1, :]  # [B, 1, 1, Lk]: the program ANDs it with its own tril or band
     if step.empty_row and step.mask != "key_padding":
         m[0, 0, p.lq // 2] = False
@@ -227,10 +233,15 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
     k = rng.standard_normal((p.b, p.lk, p.hkv, p.d)) * r
     v = rng.standard_normal((p.b, p.lk, p.hkv, p.d))
     args, extra = [jnp.asarray(jnp.asarray(x, dt), ct) for x in (q, k, v)], []
+    constants = {}
     for at, step in enumerate(p.steps):
         if step.kind in ("mask", "select_bias"):
+            value = _mask(step, p, rng)
+            if step.constant:
+                constants[at] = value
+                continue
             extra.append(("mask", at, len(args)))
-            args.append(jnp.asarray(_mask(step, p, rng)))
+            args.append(jnp.asarray(value))
         elif step.kind == "bias":
             bias = rng.standard_normal(_bias_shape(step.shape, p)) * 2.0 / abs(_after(p.steps, at))
             if step.extreme:
@@ -269,7 +280,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                 c = _rounded(step.value, dt)
                 s = s * c if step.op == "mul" else s / c
             elif step.kind in ("mask", "select_bias"):
-                m = ops[operand[at] - 3]
+                m = jnp.asarray(constants[at]) if at in constants else ops[operand[at] - 3]
                 if step.mask == "causal_and_padding":
                     m = jnp.tril(jnp.ones((p.lq, p.lk), bool)) & m
                 elif step.mask == "band":
@@ -373,7 +384,8 @@ def programs(draw) -> Program:
             steps.append(Step(kind, mask=mask, fill=draw(st.sampled_from(FILLS)),
                               mirrored=draw(st.booleans()), window=window,
                               empty_row=draw(st.booleans()) and mask in (
-                                  "boolean", "key_padding", "causal_and_padding")))
+                                  "boolean", "key_padding", "causal_and_padding"),
+                              constant=draw(st.booleans())))
         elif kind == "bias":
             steps.append(Step("bias", shape=draw(st.sampled_from(BIAS_SHAPES)),
                               extreme=draw(st.sampled_from(("", "", "-inf", "finfo.min")))))
@@ -474,12 +486,17 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def check(p: Program, blocks: tuple[int, int] = (8, 8),
-          compiler_options: dict | None = None, train: bool = False) -> tuple[str, str]:
+          compiler_options: dict | None = None, train: bool = False,
+          checkpoint: bool = False) -> tuple[str, str]:
     """("native" | "rewritten" | "wrong", detail) for one program (see the module docstring).
 
     train: rewrite the program with its gradient inside (a train step: `flash_jit` of
-    `value_and_grads(fn)`), not `value_and_grads` of the rewritten program."""
+    `value_and_grads(fn)`), not `value_and_grads` of the rewritten program.
+    checkpoint: the program under `jax.checkpoint` (its backward recomputes it); a rewrite
+    that replaced the recompute too has the detail "recomputed"."""
     fn, args, diff = build(p)
+    if checkpoint:
+        fn = jax.checkpoint(fn)
     kernel = get("chunked")
     saved = (kernel.block_q, kernel.block_k)
     kernel.block_q, kernel.block_k = blocks
@@ -519,4 +536,5 @@ def check(p: Program, blocks: tuple[int, int] = (8, 8),
     if err > tol:
         name = NAMES[at] if at < len(NAMES) else f"dbias{at - len(NAMES)}"
         return "wrong", f"{name} differs by {err:.3g} (tolerance {tol:.3g})"
-    return "rewritten", ""
+    recomputed = any("recomputes it in the kernel" in s.reason for s in report.sites)
+    return "rewritten", "recomputed" if recomputed else ""

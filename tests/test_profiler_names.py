@@ -13,7 +13,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 import hlotool
 from hlotool.hlo import parse_module

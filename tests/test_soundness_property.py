@@ -50,6 +50,30 @@ def test_the_generated_train_steps_exercise_rewrites():
     assert TRAIN_OUTCOMES["rewritten"] >= 15, TRAIN_OUTCOMES
 
 
+CHECKPOINT_OUTCOMES: collections.Counter = collections.Counter()
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(soundness_programs.programs())
+def test_generated_checkpointed_train_steps_are_rewritten_exactly_or_left_native(program):
+    """The train steps with the program under jax.checkpoint: its backward recomputes it in
+    the checkpointed body, which the rewrite replaces by the kernel's forward and backward
+    (passes/backward.py `find_recomputes`) only where it shows the body computes the same."""
+    outcome, detail = soundness_programs.check(
+        program, compiler_options=soundness_programs.FAST_COMPILE, train=True, checkpoint=True)
+    CHECKPOINT_OUTCOMES[outcome] += 1
+    if detail == "recomputed":
+        CHECKPOINT_OUTCOMES["recomputed"] += 1
+    assert outcome != "wrong", f"{detail}: {program}"
+
+
+def test_the_generated_checkpointed_train_steps_exercise_recomputes():
+    if not CHECKPOINT_OUTCOMES:
+        test_generated_checkpointed_train_steps_are_rewritten_exactly_or_left_native()
+    assert CHECKPOINT_OUTCOMES["recomputed"] >= 8, CHECKPOINT_OUTCOMES
+
+
 def test_the_generated_programs_exercise_rewrites():
     """Guards the property test above against a grammar that stopped producing attention:
     the fixed sequence must rewrite a good share of its programs."""
@@ -87,6 +111,10 @@ FOUND = [
                Step(kind="scale", op="div", value=5e-05)),
         manual_softmax=True, seed=0),
         id="f16 dk beyond float16's range is inf (oracle compared it finite)"),
+    pytest.param(Program(
+        dtype="float32", layout="BLHD", b=1, hq=2, hkv=2, lq=16, lk=40, d=8,
+        steps=(Step(kind="mask", mask="key_padding", constant=True),), seed=1),
+        id="constant [1, 1, 1, Lk] key padding read as a band of one query row (dv 70% off)"),
 ]
 
 

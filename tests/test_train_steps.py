@@ -6,6 +6,7 @@ forward and a backward kernel call (flash: fwd, dq, dkv) per site."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import equinox as eqx
@@ -19,6 +20,7 @@ import pytest
 from flax import nnx
 
 import hlotool
+from hlotool import jaxcompat
 from hlotool.passes.from_jaxpr import detect_jaxpr
 from test_rewrite_models import (
     B, D, E, H, L, X, LinenLayers, haiku_layer, load_example, relative_error, tpu_custom_calls,
@@ -192,4 +194,190 @@ def test_probabilities_read_besides_the_gradient_stay_native():
     assert "used outside it" in site.reason and "jax.grad(flash_jit(loss))" in site.reason
     got = hlotool.flash_jit(step)(w, X)
     for g, want in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(step)(w, X))):
+        np.testing.assert_array_equal(g, want)
+
+
+# ----------------------------------------------------------------------------------------
+# jax.checkpoint: the backward recomputes the attention inside the checkpointed body
+
+# The forward; in the checkpointed body the kernel's forward again (its residuals), dq, dk/dv.
+TPU_CALLS_PER_CHECKPOINTED_SITE = 4
+POLICIES = {
+    "recompute everything": None,
+    "dots without batch dims saved": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "named values saved": jax.checkpoint_policies.save_only_these_names("unused"),
+}
+
+
+def checkpointed_attention(w, x, policy=None):
+    """Only the attention under jax.checkpoint: q, k, v projected outside it."""
+    q, k, v = jnp.split((x @ w).reshape(B, L, 3 * H, D), 3, axis=2)
+    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                               implementation="xla")
+    return jax.checkpoint(attend, policy=policy)(q, k, v)
+
+
+def padded_attention(w, x, lengths):
+    """Attention over keys below `lengths` [B], projected inside: under jax.checkpoint its
+    body rebuilds the padding mask from the same lengths the forward read."""
+    q, k, v = jnp.split((x @ w).reshape(B, L, 3 * H, D), 3, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+    keep = jnp.arange(L)[None, None, None, :] < lengths[:, None, None, None]
+    p = jax.nn.softmax(jnp.where(keep, s, -1e30), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+CHECKPOINTED = {
+    "attention": (checkpointed_attention, ()),
+    "whole layer": (jax.checkpoint(projected_attention), ()),
+    **{f"layer, {name}": (jax.checkpoint(projected_attention, policy=policy), ())
+       for name, policy in POLICIES.items() if policy is not None},
+    "padded, lengths an argument": (jax.checkpoint(padded_attention), (jnp.array([L - 37]),)),
+}
+
+
+def recompute_calls(jaxpr) -> int:
+    """Spliced recompute calls inside the program's checkpoint bodies."""
+    return sum(str(e.params["jaxpr"]).count("name=hlotool_flash_recompute")
+               for e in jaxpr.eqns if e.primitive.name in ("remat2", "checkpoint"))
+
+
+@pytest.mark.parametrize("name", CHECKPOINTED)
+def test_checkpointed_attention_recomputes_in_the_kernel(name):
+    """The body jax.checkpoint writes rebuilds the scores and probabilities for the backward
+    ([B, H, L, L] again) and never computes the output: it is replaced by the kernel's
+    forward and backward, so neither direction holds a naive score matrix."""
+    fn, rest = CHECKPOINTED[name]
+    step = value_and_grad_step(fn)
+    args = (qkv_weights(H), X, *rest)
+    report = hlotool.explain(step, *args)
+    assert (len(report.sites), report.rewritten) == (1, 1), str(report)
+    assert "its backward under jax.checkpoint recomputes it in the kernel too" in \
+        report.sites[0].reason
+    fast = hlotool.flash_jit(step)
+    assert relative_error(fast(*args), jax.jit(step)(*args)) < 1e-5
+    traced = fast.trace(*args).jaxpr
+    assert recompute_calls(traced.jaxpr) == 1
+    assert not [e for e in naive_equations(traced.jaxpr)
+                if e.primitive.name == "exp" and e.outvars[0].aval.shape[-2:] == (L, L)]
+    assert tpu_custom_calls(step, *args) == TPU_CALLS_PER_CHECKPOINTED_SITE
+
+
+def naive_equations(jaxpr):
+    """The equations of `jaxpr` and of the bodies nested in it, outside the spliced calls."""
+    for e in jaxpr.eqns:
+        if str(e.params.get("name", "")).startswith("hlotool_flash"):
+            continue
+        yield e
+        for sub in jaxcompat.jaxprs_in_params(e.params):
+            yield from naive_equations(getattr(sub, "jaxpr", sub))
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "everything_saveable"])
+def test_a_policy_that_saves_the_scores_keeps_the_site_native(policy):
+    """Saved scores are read by the backward inside the checkpointed body, which the kernel
+    cannot replace: native, with a reason that names a policy that works."""
+    f = jax.checkpoint(projected_attention, policy=getattr(jax.checkpoint_policies, policy))
+    step = value_and_grad_step(f)
+    args = (qkv_weights(H), X)
+    report = hlotool.explain(step, *args)
+    (site,) = report.sites
+    assert not site.rewritten
+    assert "jax.checkpoint's policy saves" in site.reason
+    assert "dots_with_no_batch_dims_saveable" in site.reason
+    for g, want in zip(jax.tree.leaves(hlotool.flash_jit(step)(*args)),
+                       jax.tree.leaves(jax.jit(step)(*args))):
+        np.testing.assert_array_equal(g, want)
+
+
+def test_a_checkpointed_body_computing_something_else_stays_native():
+    """A program whose checkpointed body is not jax's recompute of the forward (here its
+    causal mask is mirrored: `<=` where the forward has `>=`): the recompute matches the
+    site's derivative in shape, but the mask it reads is not shown to be the forward's, so
+    the body stays native and the gradients stay the program's own."""
+    def attend(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+        rows = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
+        p = jax.nn.softmax(jnp.where(rows >= cols, s, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(jax.checkpoint(attend)(q, k, v)))
+
+    qkv = [jnp.asarray(np.random.default_rng(i).standard_normal((B, L, H, D)), jnp.float32)
+           for i in range(3)]
+    closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*qkv)
+    (at,) = [i for i, e in enumerate(closed.jaxpr.eqns) if e.primitive.name in ("remat2",
+                                                                               "checkpoint")]
+    remat = closed.jaxpr.eqns[at]
+    body = remat.params["jaxpr"]
+    mirrored = [e.replace(primitive=jax.lax.le_p) if e.primitive is jax.lax.ge_p else e
+                for e in body.eqns]
+    assert mirrored != list(body.eqns)
+    eqns = list(closed.jaxpr.eqns)
+    eqns[at] = remat.replace(params={**remat.params, "jaxpr": body.replace(eqns=mirrored)})
+    program = jaxcompat.jaxpr_as_fun(closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns)))
+
+    report = hlotool.explain(program, *qkv)
+    (site,) = report.sites
+    assert site.rewritten  # the forward itself is the program's
+    assert "its backward under jax.checkpoint stays native" in site.reason
+    assert "not shown to hold the value the site reads" in site.reason
+    fast = hlotool.flash_jit(program)
+    assert recompute_calls(fast.trace(*qkv).jaxpr.jaxpr) == 0
+    assert relative_error(fast(*qkv), jax.jit(program)(*qkv)) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------
+# lax.scan over layers
+
+
+def scanned_layers(remat: bool):
+    """value_and_grad of a scan over 3 causal layers (the loop's fill and mask reach its
+    body as loop-invariant operands), optionally each layer under jax.checkpoint, as
+    flax's nn.scan(nn.remat(Block)) and maxtext write it."""
+    def layer(x, w):
+        q, k, v = jnp.split((x @ w[0]).reshape(B, L, 3 * H, D), 3, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+        s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(B, L, E)
+        return x + jnp.tanh(o @ w[1][:, :E])
+
+    body = jax.checkpoint(layer) if remat else layer
+
+    def loss(ws, x):
+        y, _ = jax.lax.scan(lambda x, w: (body(x, w), None), x, ws)
+        return jnp.mean(jnp.sin(y))
+
+    ws = jnp.asarray(np.random.default_rng(0).standard_normal((3, 2, E, 3 * E)) / 4,
+                     jnp.float32)
+    return jax.value_and_grad(loss), (ws, X)
+
+
+def test_scan_over_checkpointed_layers_rewrites_both_loops():
+    """The forward loop's site, and the backward loop's checkpointed body, which recomputes
+    the layer (output included) beside its derivative: both in kernels."""
+    step, args = scanned_layers(remat=True)
+    report = hlotool.explain(step, *args)
+    assert [(s.where, s.rewritten) for s in report.sites] == [
+        ("scan.jaxpr", True), ("scan.jaxpr > remat2.jaxpr", True)], str(report)
+    fast = hlotool.flash_jit(step)
+    assert relative_error(fast(*args), jax.jit(step)(*args)) < 1e-5
+    assert detect_jaxpr(fast.trace(*args).jaxpr) == []
+    # The forward loop's kernel; in the backward loop's body: forward again, dq, dk/dv.
+    assert tpu_custom_calls(step, *args) == 1 + TPU_CALLS_PER_SITE
+
+
+def test_scan_over_layers_without_checkpoint_says_what_to_do():
+    """Without jax.checkpoint the probabilities leave the forward loop as residuals for the
+    backward loop: the site is detected (its fill is a loop-invariant operand), stays native,
+    and the reason names the remedy."""
+    step, args = scanned_layers(remat=False)
+    report = hlotool.explain(step, *args)
+    (site,) = report.sites
+    assert not site.rewritten and site.where == "scan.jaxpr"
+    assert "backward in another body" in site.reason and "jax.checkpoint" in site.reason
+    for g, want in zip(jax.tree.leaves(hlotool.flash_jit(step)(*args)),
+                       jax.tree.leaves(jax.jit(step)(*args))):
         np.testing.assert_array_equal(g, want)
