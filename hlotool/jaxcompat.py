@@ -220,6 +220,21 @@ def bind_params(eqn: Any) -> tuple[list[Any], dict[str, Any]]:
     return got if _BIND_SPLITS_SUBFUNS else ([], got)
 
 
+def scan_consts(eqn: Any) -> int:
+    """How many of a `scan` equation's leading operands are loop-invariant (the same on every
+    iteration): `num_consts` up to jax 0.11, the first group of `ft_in` (consts, carry, xs)
+    from 0.12 on; 0 where neither is there (nothing is then known invariant)."""
+    params = eqn.params
+    if "num_consts" in params:
+        return int(params["num_consts"])
+    groups = params.get("ft_in")  # a flat tree of (consts, carry, xs) leaves
+    try:
+        consts = groups.unpack()[0]
+        return len(list(consts.vals))
+    except (AttributeError, IndexError, TypeError):
+        return 0
+
+
 # --- evaluation while a caller is traced: private only --------------------------------------
 # validate=True runs the naive and rewritten programs on values while the caller may be
 # traced (under jit, grad or vmap); their operations must run now, not be staged into the

@@ -176,7 +176,8 @@ class _Builder:
                     known = None
                     if prim == "scan":
                         known = {}
-                        for v, node in zip(subs.jaxpr.invars[:eqn.params["num_consts"]], inputs):
+                        invariant = jaxcompat.scan_consts(eqn)
+                        for v, node in zip(subs.jaxpr.invars[:invariant], inputs):
                             value = fold(node)
                             if value is not None:
                                 known[v] = value

@@ -6,6 +6,8 @@ import pytest
 
 # Tests run on the host CPU; with libtpu installed jax would otherwise probe for a TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Keras (tests/test_train_steps.py) reads its backend once, at its first import.
+os.environ.setdefault("KERAS_BACKEND", "jax")
 
 
 @pytest.fixture(autouse=True, scope="session")

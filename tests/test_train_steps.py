@@ -168,6 +168,26 @@ def test_example_causal_decoder_train_step():
     assert relative_error(got, m.train_step(params, tokens, 2)) < 1e-5
 
 
+def test_keras_stateless_call():
+    """Keras 3 on the JAX backend: `model.stateless_call` under `jax.value_and_grad`, the
+    step Keras' JAX trainer writes, through `layers.MultiHeadAttention` with a causal mask."""
+    import keras
+
+    inputs = keras.Input((L, E))
+    y = keras.layers.MultiHeadAttention(num_heads=H, key_dim=D, seed=0)(
+        inputs, inputs, use_causal_mask=True)
+    model = keras.Model(inputs, keras.layers.Dense(E)(y))
+    trainable = [v.value for v in model.trainable_variables]
+    others = [v.value for v in model.non_trainable_variables]
+
+    def forward(trainable, others, x):
+        return model.stateless_call(trainable, others, x, training=True)[0]
+
+    report = hlotool.explain(value_and_grad_step(forward), trainable, others, X)
+    assert report.sites[0].site.mask == "causal", str(report)
+    check_step(value_and_grad_step(forward), (trainable, others, X), sites=1)
+
+
 def test_flax_linen_bfloat16():
     model = nn.MultiHeadDotProductAttention(num_heads=H, dtype=jnp.bfloat16,
                                            force_fp32_for_softmax=True)
