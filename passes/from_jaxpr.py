@@ -23,7 +23,7 @@ from hlotool.errors import HlotoolError
 from hlotool.passes.attention import Layout, Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
 from hlotool.passes.graph import (
-    MAX_FOLD_ELEMENTS, Graph, Node, as_product, compares_with_constant, fold, rounds_to_itself,
+    MAX_FOLD_ELEMENTS, Graph, Node, as_product, compares_with_constant, rounds_to_itself,
 )
 from hlotool.site import AttentionSite
 from hlotool.source import user_source
@@ -127,22 +127,44 @@ def _normalize(eqn: jaxcompat.JaxprEqn) -> tuple[str, dict[str, Any], tuple[int,
     return _RENAMED.get(prim, prim), {}, None
 
 
+def _invariant_copy(node: Node, graph: Graph, budget: list[int]) -> Node | None:
+    """A copy of `node`'s expression (appended to `graph`, without the caller's equation
+    references) when it depends on constants and iotas only, else None."""
+    budget[0] -= 1
+    if budget[0] < 0 or node.op == "parameter":
+        return None
+    inputs = []
+    for n in node.inputs:
+        copy = _invariant_copy(n, graph, budget)
+        if copy is None:
+            return None
+        inputs.append(copy)
+    copy = dataclasses.replace(node, inputs=tuple(inputs), ref=None)
+    graph.nodes.append(copy)
+    return copy
+
+
 class _Builder:
     def __init__(self) -> None:
         self.regions: list[Graph] = []
 
     def region(self, jaxpr: jaxcompat.Jaxpr, consts: list[Any], path: Path,
-               known: dict[Any, np.ndarray] | None = None) -> None:
-        """`known`: inputs of the body that hold one value on every iteration, a constant
-        of the caller (a scan's loop-invariant operands: jax's AD passes a mask's fill so)."""
+               known: dict[Any, Node] | None = None) -> None:
+        """`known`: inputs of the body that hold one value on every iteration, computed by
+        the caller from constants and iotas alone (a scan's loop-invariant operands: jax's
+        AD passes a mask's fill and the mask itself so); the body's graph gets a copy of
+        that expression, so a fill reads as the constant it is and a causal mask as its
+        iotas, at any length."""
         graph = Graph([], path)
         self.regions.append(graph)
         env: dict[Any, Node] = {}
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = self._constant(v.aval, c, JaxprRef(path, -1, v), graph)
         for v in jaxpr.invars:
-            if known and v in known:
-                env[v] = self._constant(v.aval, known[v], JaxprRef(path, -1, v), graph)
+            copy = _invariant_copy(known[v], graph, [64]) if known and v in known else None
+            if copy is not None:
+                copy.ref = JaxprRef(path, -1, v)
+                env[v] = copy
                 continue
             env[v] = Node("parameter", (), tuple(v.aval.shape), str(v.aval.dtype),
                           ref=JaxprRef(path, -1, v))
@@ -175,12 +197,8 @@ class _Builder:
                              if isinstance(subs, (tuple, list)) else [(param, subs)])
                     known = None
                     if prim == "scan":
-                        known = {}
                         invariant = jaxcompat.scan_consts(eqn)
-                        for v, node in zip(subs.jaxpr.invars[:invariant], inputs):
-                            value = fold(node)
-                            if value is not None:
-                                known[v] = value
+                        known = dict(zip(subs.jaxpr.invars[:invariant], inputs))
                     for name, sub in named:
                         self.region(sub.jaxpr, list(sub.consts), path + ((index, name),), known)
             op, params, order = _normalize(eqn)

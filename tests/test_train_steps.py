@@ -358,10 +358,12 @@ def scanned_layers(remat: bool):
     body as loop-invariant operands), optionally each layer under jax.checkpoint, as
     flax's nn.scan(nn.remat(Block)) and maxtext write it."""
     def layer(x, w):
-        q, k, v = jnp.split((x @ w[0]).reshape(B, L, 3 * H, D), 3, axis=2)
+        length = x.shape[1]
+        q, k, v = jnp.split((x @ w[0]).reshape(B, length, 3 * H, D), 3, axis=2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
-        s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
-        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(B, L, E)
+        s = jnp.where(jnp.tril(jnp.ones((length, length), bool)), s, -jnp.inf)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(
+            B, length, E)
         return x + jnp.tanh(o @ w[1][:, :E])
 
     body = jax.checkpoint(layer) if remat else layer
@@ -387,6 +389,18 @@ def test_scan_over_checkpointed_layers_rewrites_both_loops():
     assert detect_jaxpr(fast.trace(*args).jaxpr) == []
     # The forward loop's kernel; in the backward loop's body: forward again, dq, dk/dv.
     assert tpu_custom_calls(step, *args) == 1 + TPU_CALLS_PER_SITE
+
+
+def test_scan_over_checkpointed_layers_is_read_at_any_length():
+    """At L = 16384 the loop-invariant fill ([B, H, L, L] broadcast) and mask are too large
+    to fold: the loop bodies get the caller's expressions instead, and read them as the
+    constant and the causal band they are."""
+    step, (ws, _) = scanned_layers(remat=True)
+    x = jax.ShapeDtypeStruct((B, 16384, E), jnp.float32)
+    report = hlotool.explain(step, ws, x)
+    assert [(s.where, s.site.mask, s.rewritten) for s in report.sites] == [
+        ("scan.jaxpr", "causal", True), ("scan.jaxpr > remat2.jaxpr", "causal", True)], \
+        str(report)
 
 
 def test_scan_over_layers_without_checkpoint_says_what_to_do():
