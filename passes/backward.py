@@ -105,6 +105,21 @@ def reference(own, inputs: Sequence[Any], out_aval: Any, wrt: Sequence[int]
     return jax.make_jaxpr(with_gradient(own, inputs, wrt))(*specs, spec(out_aval))
 
 
+def _matched_reference(own, inputs: Sequence[Any], out_aval: Any, wrt: Sequence[int], *,
+                       with_output: bool) -> jaxcompat.Jaxpr:
+    """`reference`'s jaxpr as the program is searched for it: its outputs the site's output
+    (unless not `with_output`, for a recompute that never computes it) and the cotangents,
+    its dead equations dropped."""
+    ref = reference(own, inputs, out_aval, wrt)
+    if ref.consts:
+        raise NoBackward("the site's derivative closes over constants")
+    jaxpr = ref.jaxpr if with_output else ref.jaxpr.replace(outvars=ref.jaxpr.outvars[1:])
+    # Dead equations dropped at this level only: pruning a call's outputs (as dce_jaxpr
+    # does) would change it from the call the program holds.
+    live = _live(jaxpr)
+    return jaxpr.replace(eqns=[e for i, e in enumerate(jaxpr.eqns) if i in live])
+
+
 def spec(aval: Any) -> jax.ShapeDtypeStruct:
     """A value of type `aval` to trace with, keeping the sharding an explicit-axis mesh puts
     in the type."""
@@ -124,13 +139,7 @@ def find_backward(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[Any]
     program = _Program(jaxpr)
     failures = []
     for wrt in differentiated(inputs, site):
-        ref = reference(own, inputs, site.out.aval, wrt)
-        if ref.consts:
-            raise NoBackward("the site's derivative closes over constants")
-        # Dead equations dropped at this level only: pruning a call's outputs (as
-        # dce_jaxpr does) would change it from the call the program holds.
-        live = _live(ref.jaxpr)
-        body = ref.jaxpr.replace(eqns=[e for i, e in enumerate(ref.jaxpr.eqns) if i in live])
+        body = _matched_reference(own, inputs, site.out.aval, wrt, with_output=True)
         try:
             env, used = _match(body, program, dict(zip(body.invars[:-1], inputs)))
         except NoBackward as err:
@@ -221,21 +230,15 @@ def _recompute(jaxpr: jaxcompat.Jaxpr, eqn: jaxcompat.JaxprEqn, body: jaxcompat.
     same = _SameValue(jaxpr, eqn, body)
     failures = []
     for wrt in differentiated(inputs, site):
-        ref = reference(own, inputs, site.out.aval, wrt)
-        if ref.consts:
-            raise NoBackward("the site's derivative closes over constants")
-        grads_only = ref.jaxpr.replace(outvars=ref.jaxpr.outvars[1:])
-        live = _live(grads_only)
-        grads_only = grads_only.replace(
-            eqns=[e for i, e in enumerate(grads_only.eqns) if i in live])
-        anchors = {r: passed[v] for r, v in zip(ref.jaxpr.invars, inputs) if v in passed}
+        grads_only = _matched_reference(own, inputs, site.out.aval, wrt, with_output=False)
+        anchors = {r: passed[v] for r, v in zip(grads_only.invars, inputs) if v in passed}
         try:
             env, used = _match(grads_only, program, anchors)
         except NoBackward as err:
             failures.append(str(err))
             continue
-        bound = tuple(env.get(r) for r in ref.jaxpr.invars[:-1])
-        ct = env.get(ref.jaxpr.invars[-1])
+        bound = tuple(env.get(r) for r in grads_only.invars[:-1])
+        ct = env.get(grads_only.invars[-1])
         grads = tuple(env.get(v) for v in grads_only.outvars)
         if ct is None or any(b is None for b in bound) or any(
                 g is None or g in program.constant for g in grads):
@@ -311,23 +314,44 @@ class _Program:
     def split(self, site: JaxprSite, wrt, ct, grads, used: frozenset[int]) -> Backward:
         """The matched equations as forward and backward; `NoBackward` where dropping them
         would change the program."""
-        eqns = self.jaxpr.eqns
-        tainted, backward = {ct}, set()
-        for i in sorted(used):
-            if any(v in tainted for v in eqns[i].invars if not isinstance(v, jaxcompat.Literal)):
-                backward.add(i)
-                tainted.update(eqns[i].outvars)
+        backward = self._reading(used, ct)
         forward = (used - backward) | set(site.eqns)
-        if not backward:
-            raise NoBackward("the site's derivative does not read the output's cotangent")
-        at = next(i for i in site.eqns if site.out in eqns[i].outvars)
+        at = next(i for i in site.eqns if site.out in self.jaxpr.eqns[i].outvars)
         if at > min(backward):
             raise NoBackward("the backward starts before the forward ends")
-        dropped = forward | backward
-        keep = {site.out, *grads}
+        self._read_only_inside(forward | backward, {site.out, *grads})
+        return Backward(tuple(wrt), ct, tuple(grads), frozenset(forward), frozenset(backward))
+
+    def replaced(self, used: frozenset[int], ct, grads, reads) -> tuple[frozenset[int], int]:
+        """The matched equations of a recompute, and where one call replacing them goes;
+        `NoBackward` where dropping them would change the program or that call would read
+        a value defined after it."""
+        first = min(self._reading(used, ct))
+        self._read_only_inside(used, set(grads))
+        for v in reads:
+            at = self.definer.get(v)
+            if at is not None and (at in used or at >= first):
+                raise NoBackward("the recompute reads a value defined after its backward begins")
+        return frozenset(used), first
+
+    def _reading(self, used: frozenset[int], ct) -> set[int]:
+        """The equations of `used` that read the cotangent `ct`, directly or not."""
+        tainted, reading = {ct}, set()
+        for i in sorted(used):
+            eqn = self.jaxpr.eqns[i]
+            if any(v in tainted for v in eqn.invars if not isinstance(v, jaxcompat.Literal)):
+                reading.add(i)
+                tainted.update(eqn.outvars)
+        if not reading:
+            raise NoBackward("the site's derivative does not read the output's cotangent")
+        return reading
+
+    def _read_only_inside(self, dropped: set[int], keep: set) -> None:
+        """`NoBackward` unless every value the `dropped` equations define, but those in
+        `keep`, is read by dropped equations only (or dead code) and is no output."""
         outputs = {v for v in self.jaxpr.outvars if not isinstance(v, jaxcompat.Literal)}
         for i in dropped:
-            for v in eqns[i].outvars:
+            for v in self.jaxpr.eqns[i].outvars:
                 if v in keep:
                     continue
                 if v in outputs or any(r not in dropped and r in self.live
@@ -335,33 +359,6 @@ class _Program:
                     raise NoBackward(
                         f"a value of the site's derivative ({v.aval.str_short()}) is also "
                         "used outside it")
-        return Backward(tuple(wrt), ct, tuple(grads), frozenset(forward), frozenset(backward))
-
-
-    def replaced(self, used: frozenset[int], ct, grads, reads) -> tuple[frozenset[int], int]:
-        """The matched equations of a recompute, and where one call replacing them goes;
-        `NoBackward` where dropping them would change the program or that call would read
-        a value defined after it."""
-        eqns = self.jaxpr.eqns
-        tainted, first = {ct}, None
-        for i in sorted(used):
-            if any(v in tainted for v in eqns[i].invars if not isinstance(v, jaxcompat.Literal)):
-                tainted.update(eqns[i].outvars)
-                first = i if first is None else first
-        if first is None:
-            raise NoBackward("the site's derivative does not read the output's cotangent")
-        outputs = {v for v in self.jaxpr.outvars if not isinstance(v, jaxcompat.Literal)}
-        for i in used:
-            for v in eqns[i].outvars:
-                if v not in grads and (v in outputs or any(
-                        r not in used and r in self.live for r in self.readers.get(v, ()))):
-                    raise NoBackward(f"a value of the site's derivative ({v.aval.str_short()}) "
-                                     "is also used outside it")
-        for v in reads:
-            at = self.definer.get(v)
-            if at is not None and (at in used or at >= first):
-                raise NoBackward("the recompute reads a value defined after its backward begins")
-        return frozenset(used), first
 
 
 def _live(jaxpr: jaxcompat.Jaxpr) -> set[int]:
