@@ -7,6 +7,14 @@ would pass the cap is not started and shows as "OOM (needs ≈X GB)".
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --lengths 1024,2048 --cap-gb 8
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --mask window:512 --lengths 8192
+    JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --rates --mask causal --lengths 4096,8192
+
+`--rates` prints, instead, the chunked kernel's forward and backward rate against this machine's
+own matmul rate on attention blocks ([8,512,64]×[8,64,512], then [8,512,512]×[8,512,64], in a
+loop), measured in the same process, each kernel call right after a matmul call, so slow
+phases of a shared machine hit both; the ratios are medians over --repeats such pairs. Only the
+visible (unmasked) work counts: 2 matmuls per visible query-key pair forward, 5 backward (the
+score recompute, dP, dV, dK, dQ; the FlashAttention papers' 2.5×), each 2·D flops.
 
 Shapes: B=1, H=8, D=64, float32, q/k/v [B, L, H, D]; `--mask` none (default), causal, or
 window:W (causal, each query sees its W most recent keys, as Mistral): the naive side applies
@@ -73,6 +81,84 @@ def _child(impl: str, mode: str, length: int, repeats: int, cap: int, mask: str)
             "peak_bytes": peak}
 
 
+def _rates(length: int, repeats: int, cap: int, mask: str) -> dict:
+    """Median ratios of the chunked kernel's forward and backward rate to the block-matmul
+    rate, each kernel call paired with a matmul call just before it."""
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from hlotool.kernels import get
+
+    kernel = get("chunked")
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v, do = (jax.random.normal(key, (B, length, H, D), jnp.float32) for key in keys)
+    window = int(mask.split(":")[1]) if mask.startswith("window:") else None
+
+    def attend(q, k, v):
+        return kernel(q, k, v, scale=D**-0.5, causal=mask != "none",
+                      window=None if window is None else (window - 1, 0))
+
+    _, vjp = jax.vjp(attend, q, k, v)
+    forward, backward = jax.jit(attend), jax.jit(lambda vjp, do: vjp(do))
+    blocks, steps = max(1, length // 512), 64
+    q_h, k_h = jnp.swapaxes(q, 1, 2)[0], jnp.swapaxes(k, 1, 2)[0]  # [H, L, D]
+
+    @jax.jit
+    def matmuls(q_h, k_h):
+        def step(t, acc):
+            a = lax.dynamic_slice_in_dim(q_h, (t % blocks) * 512, 512, 1)
+            b = lax.dynamic_slice_in_dim(k_h, (t // blocks % blocks) * 512, 512, 1)
+            return acc + jnp.einsum("hqk,hkd->hqd", jnp.einsum("hqd,hkd->hqk", a, b), b)
+        return lax.fori_loop(0, steps, step, jnp.zeros((H, 512, D), jnp.float32))
+
+    def seconds(fn, *args):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        return time.perf_counter() - start
+
+    for fn, args in ((matmuls, (q_h, k_h)), (forward, (q, k, v)), (backward, (vjp, do))):
+        seconds(fn, *args)  # compile
+    visible = sum(min(length, i + 1) if window is None else min(window, i + 1)
+                  for i in range(length)) if mask != "none" else length * length
+    pair_flops = 2 * D * B * H * visible
+    mm_flops = steps * 2 * (2 * H * 512 * 512 * D)
+    rows = {"mm": [], "fwd": [], "bwd": []}
+    for _ in range(repeats):
+        for name, flops, fn, args in (("fwd", 2 * pair_flops, forward, (q, k, v)),
+                                      ("bwd", 5 * pair_flops, backward, (vjp, do))):
+            mm_rate = mm_flops / seconds(matmuls, q_h, k_h)
+            rate = flops / seconds(fn, *args)
+            rows["mm"].append(mm_rate)
+            rows[name].append((rate, rate / mm_rate))
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"mm": median(rows["mm"]),
+            **{name: (median([r for r, _ in rows[name]]), median([x for _, x in rows[name]]))
+               for name in ("fwd", "bwd")}}
+
+
+def _print_rates(args, cap: int) -> None:
+    print(f"B={B} H={H} D={D} float32, mask {args.mask}: GFLOP/s of visible work; ratios to "
+          f"the block-matmul rate, medians of {args.repeats} paired runs; {os.cpu_count()} CPUs")
+    header = ("L", "block mm", "fwd", "fwd/mm", "bwd", "bwd/mm")
+    widths = (6, 9, 6, 7, 6, 7)
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)), flush=True)
+    for length in map(int, args.lengths.split(",")):
+        cmd = [sys.executable, __file__, "--rates-child", str(length), str(args.repeats),
+               str(cap), args.mask]
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:80]
+            print(f"{length:>6}  failed: {tail}", flush=True)
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        row = (str(length), f"{r['mm'] / 1e9:.0f}", f"{r['fwd'][0] / 1e9:.0f}",
+               f"{r['fwd'][1]:.2f}", f"{r['bwd'][0] / 1e9:.0f}", f"{r['bwd'][1]:.2f}")
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)), flush=True)
+
+
 def _run(impl: str, mode: str, length: int, repeats: int, cap: int, mask: str) -> dict:
     if impl == "naive":
         need = NAIVE_MATRICES[mode] * B * H * length * length * 4 + BASE_BYTES
@@ -104,8 +190,16 @@ def main() -> None:
                         help="address-space cap per child process, GiB")
     parser.add_argument("--mask", default="none",
                         help="none, causal or window:W (causal, W keys per query)")
+    parser.add_argument("--rates", action="store_true",
+                        help="the chunked kernel's forward and backward GFLOP/s against the "
+                             "block-matmul rate measured in the same process")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--rates-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rates_child:
+        length, repeats, cap, mask = args.rates_child
+        print(json.dumps(_rates(int(length), int(repeats), int(cap), mask)))
+        return
     if args.child:
         impl, mode, length, repeats, cap, mask = args.child
         print(json.dumps(_child(impl, mode, int(length), int(repeats), int(cap), mask)))
@@ -114,6 +208,9 @@ def main() -> None:
         parser.error(f"--mask must be none, causal or window:W, got {args.mask!r}")
 
     cap = int(args.cap_gb * 2**30)
+    if args.rates:
+        _print_rates(args, cap)
+        return
     print(f"B={B} H={H} D={D} float32, mask {args.mask}; best of {args.repeats} after warm-up; "
           f"children capped at {args.cap_gb:g} GiB; {os.cpu_count()} CPUs")
     header = ("L", "pass", "naive time", "naive peak", "chunked time", "chunked peak",

@@ -3,7 +3,8 @@
 Queries are processed in blocks of `block_q`, keys in blocks of `block_k`; a query block
 carries its running max, normalizer and output accumulator across key blocks (FlashAttention),
 so memory is O(L·D) plus one [Hq, block_q, block_k] score tile. Under `causal` or a window,
-key blocks entirely outside the band are skipped by the loop bounds, not computed and masked. The
+key blocks entirely outside the band are skipped by the loop bounds, not computed and masked,
+and the band is applied only on the tiles that cross its edges. The
 backward pass (custom VJP) recomputes score tiles from Q, K, V and the saved row max and
 normalizer instead of storing probabilities (kept apart, not as one log-sum-exp: beside a
 finfo.min bias the max absorbs the log of the normalizer).
@@ -87,7 +88,7 @@ def _tile(x: jax.Array | None, i, j, st: _Static) -> jax.Array | None:
     return x
 
 
-def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static
+def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static, banded: bool = True
             ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """f32 [B, Hkv, G·block_q, block_k] logits of tile (i, j) — `fill` where hidden, -inf on
     padding —, whether each key is visible (None when all are) and, under soft-capping, the
@@ -95,7 +96,8 @@ def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static
 
     q_i: [B, Hkv, G·block_q, D], the G query heads of a K/V head stacked as rows, so each
     tile is one batched matmul per K/V head. keys: (kv_lengths [B], q segment ids [B, Lq],
-    kv segment ids [B, Lk]), each None when absent.
+    kv segment ids [B, Lk]), each None when absent. `banded` False: the tile lies wholly
+    inside the band, so the band is not applied.
     """
     kv_lengths, q_segments, kv_segments = keys
     s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=jnp.float32)
@@ -113,7 +115,7 @@ def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static
     visible = None
     if kv_lengths is not None:
         visible = k_pos < kv_lengths[:, None, None, None, None]
-    if st.band is not None:
+    if st.band is not None and banded:
         q_pos = i * st.block_q + lax.iota(jnp.int32, st.block_q)
         left, right = st.band
         offset = k_pos[None, :] - q_pos[:, None]
@@ -153,6 +155,12 @@ def _rows(x: jax.Array, i, st: _Static) -> jax.Array:
     return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
 
 
+def _columns(x_t: jax.Array, i, st: _Static) -> jax.Array:
+    """Query block i of a [B, Hkv, D, G, Lq] array as [B, Hkv, D, G·block_q]."""
+    x_t = lax.dynamic_slice_in_dim(x_t, i * st.block_q, st.block_q, axis=4)
+    return x_t.reshape(x_t.shape[:3] + (-1,))
+
+
 def _key_blocks(i, nk: int, st: _Static):
     """[first, end) of the key blocks query block i visits: all, or those the band reaches."""
     return key_block_span(i, nk, st.block_q, st.block_k, st.band if st.skips else None,
@@ -163,6 +171,39 @@ def _query_blocks(j, nq: int, st: _Static):
     """[first, end) of the query blocks that visit key block j."""
     return query_block_span(j, nq, st.block_q, st.block_k, st.band if st.skips else None,
                             maximum=jnp.maximum, minimum=jnp.minimum)
+
+
+def _inside_key_blocks(i, st: _Static):
+    """[first, end) of the key blocks whose tile with query block i lies wholly inside the
+    band (possibly empty); only the tiles around the band's edges need it applied."""
+    left, right = st.band
+    bq, bk = st.block_q, st.block_k
+    first = 0 if left is None else -((left - i * bq - bq + 1) // bk)  # ⌈(i·bq+bq-1-left)/bk⌉
+    end = None if right is None else (i * bq + right + 1) // bk
+    return first, end
+
+
+def _inside_query_blocks(j, st: _Static):
+    """[first, end) of the query blocks whose tile with key block j lies wholly inside the
+    band (possibly empty)."""
+    left, right = st.band
+    bq, bk = st.block_q, st.block_k
+    first = 0 if right is None else -((right + 1 - j * bk - bk) // bq)  # ⌈(j·bk+bk-1-right)/bq⌉
+    end = None if left is None else (j * bk + left + 1) // bq
+    return first, end
+
+
+def _edges_then_inside(first, end, inside, body, init, st: _Static):
+    """`body(banded)` over blocks [first, end) as `lax.fori_loop`s: with the band applied on
+    the blocks outside `inside` ([first, end) of blocks wholly inside it), without inside."""
+    if st.band is None:
+        return lax.fori_loop(first, end, body(False), init)
+    a, b = inside
+    a = jnp.clip(a, first, end)
+    b = end if b is None else jnp.clip(b, a, end)
+    carry = lax.fori_loop(first, a, body(True), init)
+    carry = lax.fori_loop(a, b, body(False), carry)
+    return lax.fori_loop(b, end, body(True), carry)
 
 
 def _skipped_keys(i, st: _Static) -> jax.Array:
@@ -185,11 +226,11 @@ def _forward(q, k, v, bias, mask, keys, post, sinks, st: _Static):
     def query_block(i):
         q_i = _rows(q, i, st)
 
-        def key_block(j, carry):
+        def key_block(banded, j, carry):
             m, l, acc = carry
             k_j = lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, axis=2)
             v_j = lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, axis=2)
-            s, _, _ = _scores(q_i, k_j, bias, mask, keys, i, j, st)
+            s, _, _ = _scores(q_i, k_j, bias, mask, keys, i, j, st, banded)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             # Rows that have seen no key yet keep m = -inf; shift them by 0 so exp gives 0.
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -207,7 +248,10 @@ def _forward(q, k, v, bias, mask, keys, post, sinks, st: _Static):
             m0 = _rows(sinks, i, st)
             l0 = jnp.where(m0 > -jnp.inf, 1.0, 0.0)
         init = (m0, l0, jnp.zeros(rows + (dv,), jnp.float32))
-        m, l, acc = lax.fori_loop(*_key_blocks(i, nk, st), key_block, init)
+        inside = None if st.band is None else _inside_key_blocks(i, st)
+        m, l, acc = _edges_then_inside(*_key_blocks(i, nk, st), inside,
+                                       lambda banded: functools.partial(key_block, banded),
+                                       init, st)
         if st.skipped_keys_count:
             # The keys of the blocks not visited, each with logit `fill`, in closed form.
             start = jnp.minimum(_skipped_keys(i, st), st.kv_len)
@@ -242,11 +286,17 @@ def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static
     One loop over key blocks accumulates that block's dk, dv over the query blocks that see
     it, and adds each tile's contribution into dq. A hidden key's logit is the constant fill:
     it passes no gradient to q, k or bias, only its weight to dv.
+
+    dk and dv contract a tile over its queries. Written as tileᵀ·q, XLA's CPU backend hands
+    that to a generic matmul (measured at 0.6–0.7 of the rate of the tile's other products);
+    as qᵀ·tile, with q and dO transposed once up front, it stays on the fast path. So each
+    key block accumulates dkᵀ and dvᵀ [B, Hkv, D, block_k].
     """
     b, hkv, g, lq, d = q.shape
     nq, nk = lq // st.block_q, k.shape[2] // st.block_k
     delta = jnp.sum(out * do, axis=-1)  # [B, Hkv, G, Lq]
     inv_l = 1.0 / l  # one division per row, not per score
+    q_t, do_t = jnp.moveaxis(q, 4, 2), jnp.moveaxis(do, 4, 2)  # [B, Hkv, D, G, Lq]
     if st.skipped_keys_count:
         # prefix[r] = sum over query rows < r (and the G heads) of w_r · dO_r, w_r the weight
         # row r gives each key it skips.
@@ -260,13 +310,14 @@ def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static
         k_j = lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, axis=2)
         v_j = lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, axis=2)
 
-        def query_block(i, inner):
-            dq, dk_j, dv_j, dbias = inner
+        def query_block(banded, i, inner):
+            dq, dk_t, dv_t, dbias = inner
             q_i, do_i = _rows(q, i, st), _rows(do, i, st)
             m_i, inv_l_i, delta_i = _rows(m, i, st), _rows(inv_l, i, st), _rows(delta, i, st)
-            s, visible, capped = _scores(q_i, k_j, bias, mask, keys, i, j, st)
+            s, visible, capped = _scores(q_i, k_j, bias, mask, keys, i, j, st, banded)
             p = jnp.exp(s - m_i[..., None]) * inv_l_i[..., None]
-            dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", _kept(p, post, i, j, st), do_i)
+            dv_t = dv_t + jnp.einsum("bhdq,bhqk->bhdk", _columns(do_t, i, st),
+                                     _kept(p, post, i, j, st))
             dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
             ds = p * (_kept(dp, post, i, j, st) - delta_i[..., None])
             if visible is not None:
@@ -276,7 +327,7 @@ def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static
                 ds = ds * (1.0 - jnp.square(capped))  # d(c·tanh(x / c)) / dx
             if st.scale != 1.0:
                 ds = ds * st.scale  # d(scale·q·k) w.r.t. q·k
-            dk_j = dk_j + jnp.einsum("bhqk,bhqd->bhkd", ds, q_i,
+            dk_t = dk_t + jnp.einsum("bhdq,bhqk->bhdk", _columns(q_t, i, st), ds,
                                      preferred_element_type=jnp.float32)
             dq_i = _rows(dq, i, st) + jnp.einsum("bhqk,bhkd->bhqd", ds, k_j,
                                                  preferred_element_type=jnp.float32)
@@ -290,13 +341,16 @@ def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static
                           j * st.block_k if dbias.shape[4] != 1 else 0)
                 ds_b = ds_b + lax.dynamic_slice(dbias, starts, ds_b.shape)
                 dbias = lax.dynamic_update_slice(dbias, ds_b, starts)
-            return dq, dk_j, dv_j, dbias
+            return dq, dk_t, dv_t, dbias
 
-        zeros_k = jnp.zeros(k_j.shape, jnp.float32)
-        zeros_v = jnp.zeros(v_j.shape, jnp.float32)
+        zeros_k = jnp.zeros(jnp.swapaxes(k_j, 2, 3).shape, jnp.float32)
+        zeros_v = jnp.zeros(jnp.swapaxes(v_j, 2, 3).shape, jnp.float32)
         first, end = _query_blocks(j, nq, st)
-        dq, dk_j, dv_j, dbias = lax.fori_loop(
-            first, end, query_block, (dq, zeros_k, zeros_v, dbias))
+        inside = None if st.band is None else _inside_query_blocks(j, st)
+        dq, dk_t, dv_t, dbias = _edges_then_inside(
+            first, end, inside, lambda banded: functools.partial(query_block, banded),
+            (dq, zeros_k, zeros_v, dbias), st)
+        dk_j, dv_j = jnp.swapaxes(dk_t, 2, 3), jnp.swapaxes(dv_t, 2, 3)
         if st.skipped_keys_count:
             # Query blocks before `first` skip this key block: each of its keys gets their
             # weighted dO (padding keys too; they are cut off by the caller).
