@@ -27,12 +27,13 @@ import numpy as np
 from hlotool import jaxcompat, kernels
 from hlotool.cost.decision import decide
 from hlotool.errors import HlotoolError, first_line
-from hlotool.kernels.base import Call
+from hlotool.kernels.base import Call, Support
 from hlotool.kernels.registry import PLATFORMS
 from hlotool.kernels.sharded import mesh_of, on_mesh
 from hlotool.passes import lower
 from hlotool.passes.from_jaxpr import JaxprSite, describe_path, detect_jaxpr, jaxpr_at
 from hlotool.passes.backward import Backward, Recompute
+from hlotool.passes.tracing import TraceError
 from hlotool.passes.rewrite import (
     Replacement, RewriteError, check, derivative, free_inputs, inline_calls, prepare,
     recomputed, rewrite, site_equations,
@@ -136,7 +137,14 @@ def _choices(site: JaxprSite, form: lower.KernelForm, kernel: str) -> dict[str, 
     for p in PLATFORMS:
         choice = decide(site.site, p, kernel)
         if choice.kernel is not None:
-            support = kernels.get(choice.kernel).supports(site.site, features)
+            chosen = kernels.get(choice.kernel)
+            support = chosen.supports(site.site, features)
+            if support and site.manual is not None and site.manual.check_vma \
+                    and not chosen.typed_for_shard_map:
+                support = Support.no(
+                    f"{chosen.name} gives its outputs no shard_map axis types, which jax "
+                    "requires in a shard_map with check_vma=True (pass check_vma=False to "
+                    "that shard_map to run it there)")
             if not support:
                 choice = dataclasses.replace(choice, kernel=None, reason=support.reason)
         out[p] = choice
@@ -260,11 +268,13 @@ def plan_program(closed: jaxcompat.ClosedJaxpr, function: str, kernel: str = "au
                 plan = {p: c.kernel for p, c in choices.items()}
                 reason = "; ".join(f"{p}: {c.reason}" for p, c in choices.items())
                 if any(plan.values()):
+                    # Inside a shard_map body the kernel already sees one device's shard.
+                    on = mesh if site.manual is None else None
                     replacements.append((site, prepare(jaxpr, site, replacement(
-                        jaxpr, site, form.kernel, plan, mesh, index, form.backward,
+                        jaxpr, site, form.kernel, plan, on, index, form.backward,
                         form.recomputes), cache)))
                     reason += form.note
-            except RewriteError as err:
+            except (RewriteError, TraceError) as err:
                 plan, reason = dict.fromkeys(PLATFORMS), str(err)
             except Exception as err:  # noqa: BLE001 - a kernel that cannot trace: keep native
                 plan = dict.fromkeys(PLATFORMS)

@@ -235,6 +235,31 @@ def scan_consts(eqn: Any) -> int:
         return 0
 
 
+# --- shard_map bodies: what their equations and values say, across versions -------------
+# Inside a shard_map body (jax >= 0.7 with check_vma) each value's type says over which
+# manual mesh axes it differs from device to device, and jax casts a value that does not
+# vary to one that does with `pvary`, an identity on values (its transpose is a psum).
+SHARD_MAP = "shard_map"
+MANUAL_CASTS = ("pvary",)
+
+
+def varying_axes(aval: Any) -> frozenset:
+    """The mesh axes over which a shard_map body's value varies: `aval.vma` up to jax 0.9,
+    `aval.manual_axis_type.varying` from 0.10; empty outside a body."""
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def manual_axes(eqn: Any) -> frozenset:
+    """The mesh axes a `shard_map` equation makes manual: `manual_axes` up to jax 0.9,
+    `newly_manual_axes` from 0.10 (all of the mesh's where neither is there)."""
+    params = eqn.params
+    axes = params.get("newly_manual_axes", params.get("manual_axes"))
+    return frozenset(params["mesh"].axis_names if axes is None else axes)
+
+
 # --- evaluation while a caller is traced: private only --------------------------------------
 # validate=True runs the naive and rewritten programs on values while the caller may be
 # traced (under jit, grad or vmap); their operations must run now, not be staged into the

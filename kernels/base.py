@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
 from hlotool.site import AttentionSite, Band, band_of
 
@@ -409,6 +410,10 @@ class AttentionKernel(abc.ABC):
     hidden_logit: ClassVar[float | None] = None
     # The softmax variants (`EXTRAS`) this kernel implements; it refuses the others.
     extras: ClassVar[frozenset[str]] = frozenset()
+    # Whether its values carry the types jax checks in a shard_map body with check_vma=True
+    # (over which mesh axes each varies): upstream Pallas kernels build their outputs' types
+    # without them, and jax refuses those there.
+    typed_for_shard_map: ClassVar[bool] = False
 
     @property
     def unavailable_reason(self) -> str | None:
@@ -640,6 +645,26 @@ def band_mask(lq: int, lk: int, window: tuple[int | None, int | None]) -> jax.Ar
     if right is not None:
         visible = visible & (j <= i + right)
     return visible
+
+
+def varying_axes(*arrays: jax.Array | None) -> frozenset:
+    """The mesh axes any of `arrays` varies over inside a shard_map body (empty elsewhere)."""
+    return frozenset().union(*(jaxcompat.varying_axes(jax.typeof(x)) for x in arrays
+                               if x is not None))
+
+
+def varying(tree, axes: frozenset):
+    """`tree`'s arrays cast to vary over `axes` (a no-op outside shard_map bodies): a loop
+    carry started from constants must have the type its body gives it, which varies over
+    whatever the operands vary over."""
+    if not axes:
+        return tree
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying_axes(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
 
 
 def zero_invalid_keys(call: Call) -> Call:

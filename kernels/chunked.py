@@ -48,6 +48,8 @@ from hlotool.kernels.base import (
     key_block_span,
     post_softmax,
     query_block_span,
+    varying,
+    varying_axes,
     zero_invalid_keys,
 )
 from hlotool.site import AttentionSite
@@ -65,6 +67,7 @@ class _Static:
     scale: float  # applied to each f32 score tile; 1.0 when q came in pre-scaled
     softcap: float | None = None
     visit_all: bool = False  # a band, but no block skipped (see the module docstring)
+    varying: frozenset = frozenset()  # mesh axes the operands vary over (in a shard_map body)
 
     @property
     def skips(self) -> bool:
@@ -196,6 +199,7 @@ def _inside_query_blocks(j, st: _Static):
 def _edges_then_inside(first, end, inside, body, init, st: _Static):
     """`body(banded)` over blocks [first, end) as `lax.fori_loop`s: with the band applied on
     the blocks outside `inside` ([first, end) of blocks wholly inside it), without inside."""
+    init = varying(init, st.varying)
     if st.band is None:
         return lax.fori_loop(first, end, body(False), init)
     a, b = inside
@@ -364,7 +368,7 @@ def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
             jnp.zeros(v.shape, jnp.float32),
             None if bias is None else jnp.zeros(bias.shape, jnp.float32))
-    dq, dk, dv, dbias = lax.fori_loop(0, nk, key_block, init)
+    dq, dk, dv, dbias = lax.fori_loop(0, nk, key_block, varying(init, st.varying))
     # A sink's logit enters like a key's with value 0: dsink = p_sink · (0 - delta).
     dsinks = None if sinks is None else -jnp.exp(sinks - m) * inv_l * delta
     return dq, dk, dv, dbias, dsinks
@@ -416,6 +420,7 @@ class Chunked(AttentionKernel):
 
     name = "chunked"
     platforms = ("cpu", "tpu", "cuda")
+    typed_for_shard_map = True
     extras = frozenset(EXTRAS)
 
     def __init__(self, block_q: int = 512, block_k: int = 256):
@@ -448,7 +453,10 @@ class Chunked(AttentionKernel):
         st = _Static(bq, bk, lk, call.band, call.fill, 1.0 if wide else call.scale,
                      call.softcap, visit_all=finite and (
                          call.post_mask is not None
-                         or (call.band is not None and call.band[0] is not None)))
+                         or (call.band is not None and call.band[0] is not None)),
+                     varying=varying_axes(call.q, call.k, call.v, call.bias, call.mask,
+                                          call.post_mask, call.sinks, call.kv_lengths,
+                                          *(call.segments or ())))
         q = call.q * jnp.asarray(call.scale, call.q.dtype) if wide else call.q
         q = q.reshape(b, lq, hkv, g, d)
         q = _pad_axis(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, lq_p)

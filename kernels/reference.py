@@ -30,6 +30,7 @@ class Reference(AttentionKernel):
 
     name = "reference"
     platforms = ("cpu", "tpu", "cuda")
+    typed_for_shard_map = True
     extras = frozenset(EXTRAS)
 
     def _check(self, site: AttentionSite, features: Features) -> Support:

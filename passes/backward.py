@@ -26,7 +26,9 @@ import numpy as np
 
 from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
+from hlotool.passes import tracing
 from hlotool.passes.from_jaxpr import JaxprSite
+from hlotool.passes.tracing import Manual
 
 # Backtracking steps one match may take before it gives up (a site's derivative is a few
 # dozen equations; an unlucky order of equal candidates costs a few steps each).
@@ -97,20 +99,25 @@ def with_gradient(fn, inputs: Sequence[Any], wrt: Sequence[int]):
     return both
 
 
-def reference(own, inputs: Sequence[Any], out_aval: Any, wrt: Sequence[int]
-              ) -> jaxcompat.ClosedJaxpr:
+def reference(own, inputs: Sequence[Any], out_aval: Any, wrt: Sequence[int],
+              where: Manual | None = None) -> jaxcompat.ClosedJaxpr:
     """jax's AD of the site's own equations `own`, as the program's `jax.grad` writes it:
-    a jaxpr from (inputs..., cotangent of out) to (out, cotangents of inputs[wrt])."""
-    specs = [spec(v.aval) for v in inputs]
-    return jax.make_jaxpr(with_gradient(own, inputs, wrt))(*specs, spec(out_aval))
+    a jaxpr from (inputs..., cotangent of out) to (out, cotangents of inputs[wrt]), traced
+    at the site's level `where` (`passes.tracing`)."""
+    avals = [v.aval for v in inputs]
+    return tracing.trace(where, with_gradient(own, inputs, wrt), [*avals, out_aval],
+                         [out_aval, *(avals[i] for i in wrt)])
 
 
-def _matched_reference(own, inputs: Sequence[Any], out_aval: Any, wrt: Sequence[int], *,
-                       with_output: bool) -> jaxcompat.Jaxpr:
+def _matched_reference(own, inputs: Sequence[Any], out_aval: Any, wrt: Sequence[int],
+                       where: Manual | None, *, with_output: bool) -> jaxcompat.Jaxpr:
     """`reference`'s jaxpr as the program is searched for it: its outputs the site's output
     (unless not `with_output`, for a recompute that never computes it) and the cotangents,
     its dead equations dropped."""
-    ref = reference(own, inputs, out_aval, wrt)
+    try:
+        ref = reference(own, inputs, out_aval, wrt, where)
+    except tracing.TraceError as err:
+        raise NoBackward(str(err)) from None
     if ref.consts:
         raise NoBackward("the site's derivative closes over constants")
     jaxpr = ref.jaxpr if with_output else ref.jaxpr.replace(outvars=ref.jaxpr.outvars[1:])
@@ -118,16 +125,6 @@ def _matched_reference(own, inputs: Sequence[Any], out_aval: Any, wrt: Sequence[
     # does) would change it from the call the program holds.
     live = _live(jaxpr)
     return jaxpr.replace(eqns=[e for i, e in enumerate(jaxpr.eqns) if i in live])
-
-
-def spec(aval: Any) -> jax.ShapeDtypeStruct:
-    """A value of type `aval` to trace with, keeping the sharding an explicit-axis mesh puts
-    in the type."""
-    sharding = getattr(aval, "sharding", None)
-    if sharding is not None and sharding.mesh.empty:
-        sharding = None
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
-                                sharding=sharding)
 
 
 def find_backward(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[Any], own
@@ -139,8 +136,9 @@ def find_backward(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[Any]
     program = _Program(jaxpr)
     failures = []
     for wrt in differentiated(inputs, site):
-        body = _matched_reference(own, inputs, site.out.aval, wrt, with_output=True)
         try:
+            body = _matched_reference(own, inputs, site.out.aval, wrt, site.manual,
+                                      with_output=True)
             env, used = _match(body, program, dict(zip(body.invars[:-1], inputs)))
         except NoBackward as err:
             failures.append(str(err))
@@ -230,9 +228,10 @@ def _recompute(jaxpr: jaxcompat.Jaxpr, eqn: jaxcompat.JaxprEqn, body: jaxcompat.
     same = _SameValue(jaxpr, eqn, body)
     failures = []
     for wrt in differentiated(inputs, site):
-        grads_only = _matched_reference(own, inputs, site.out.aval, wrt, with_output=False)
-        anchors = {r: passed[v] for r, v in zip(grads_only.invars, inputs) if v in passed}
         try:
+            grads_only = _matched_reference(own, inputs, site.out.aval, wrt, site.manual,
+                                            with_output=False)
+            anchors = {r: passed[v] for r, v in zip(grads_only.invars, inputs) if v in passed}
             env, used = _match(grads_only, program, anchors)
         except NoBackward as err:
             failures.append(str(err))

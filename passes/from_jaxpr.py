@@ -2,8 +2,9 @@
 
 Call-like equations (`jit`/`pjit`, `closed_call`, `custom_jvp_call`, `custom_vjp_call`,
 `checkpoint`/`remat`) are inlined into their caller's graph, so a site may span them.
-Bodies of `scan`, `while` and `cond` are separate regions, matched in place; their path
-says where they are.
+Bodies of `scan`, `while`, `cond` and `shard_map` are separate regions, matched in place;
+their path says where they are (a shard_map body's shapes are per device; its `pvary` casts
+are copies).
 
 Paths. A jaxpr nested in the program is addressed by a tuple of steps from the top
 ClosedJaxpr; a step is `(eqn_index, param)` with `param` the equation's parameter holding the
@@ -22,6 +23,7 @@ from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
 from hlotool.passes.attention import Layout, Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
+from hlotool.passes.tracing import Manual, manual_at
 from hlotool.passes.graph import (
     MAX_FOLD_ELEMENTS, Graph, Node, as_product, compares_with_constant, rounds_to_itself,
 )
@@ -38,7 +40,8 @@ INLINED = {
     "remat": "jaxpr",
 }
 # Primitive -> parameters holding bodies matched as regions of their own.
-REGIONS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
+REGIONS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",),
+           jaxcompat.SHARD_MAP: ("jaxpr",)}
 
 _RENAMED = {
     "broadcast_in_dim": "broadcast", "convert_element_type": "convert", "squeeze": "reshape",
@@ -121,6 +124,8 @@ def _normalize(eqn: jaxcompat.JaxprEqn) -> tuple[str, dict[str, Any], tuple[int,
         return prim, {"axis": int(p["dimension"])}, None
     if prim == "integer_pow":
         return prim, {"y": p["y"]}, None
+    if prim in jaxcompat.MANUAL_CASTS:
+        return "copy", {}, None
     if prim == "reduce_precision" and rounds_to_itself(
             str(eqn.outvars[0].aval.dtype), p["exponent_bits"], p["mantissa_bits"]):
         return "copy", {}, None
@@ -199,8 +204,16 @@ class _Builder:
                     if prim == "scan":
                         invariant = jaxcompat.scan_consts(eqn)
                         known = dict(zip(subs.jaxpr.invars[:invariant], inputs))
+                    elif prim == jaxcompat.SHARD_MAP:
+                        # An operand replicated over the mesh (spec P()) holds the caller's
+                        # value on every device.
+                        known = {v: n for v, n, part in zip(
+                            subs.invars, inputs, eqn.params["in_specs"])
+                            if all(p is None for p in part)}
                     for name, sub in named:
-                        self.region(sub.jaxpr, list(sub.consts), path + ((index, name),), known)
+                        inner, consts = ((sub.jaxpr, list(sub.consts))
+                                         if isinstance(sub, jaxcompat.ClosedJaxpr) else (sub, []))
+                        self.region(inner, consts, path + ((index, name),), known)
             op, params, order = _normalize(eqn)
             if order is not None:
                 inputs = [inputs[i] for i in order]
@@ -328,6 +341,8 @@ class JaxprSite:
     intermediates: frozenset
     escaping: frozenset  # intermediates read by equations outside the site or returned
     match: Match = dataclasses.field(repr=False)
+    manual: Manual | None = None  # the shard_map body the site lives in (`passes.tracing`)
+    enclosing: str | None = None  # the primitive whose body holds the site (None: top level)
 
 
 def _site_level(nodes: tuple[Node, ...]) -> Path:
@@ -393,7 +408,9 @@ def _to_jaxpr_site(closed: jaxcompat.ClosedJaxpr, match: Match,
         out=out, out_layout=match.out_layout, scale=match.scale,
         masks=masks, multipliers=multipliers,
         intermediates=frozenset(defined), escaping=frozenset(escaping),
-        match=match,
+        match=match, manual=manual_at(closed, level),
+        enclosing=(jaxpr_at(closed, level[:-1]).eqns[level[-1][0]].primitive.name
+                   if level else None),
     )
 
 

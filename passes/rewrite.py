@@ -34,11 +34,13 @@ import jax
 
 from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
+from hlotool.passes import tracing
 from hlotool.passes.backward import (
-    REMAT, Backward, NoBackward, Recompute, find_backward, find_recomputes, spec, with_gradient,
+    REMAT, Backward, NoBackward, Recompute, find_backward, find_recomputes, with_gradient,
 )
 from hlotool.passes.from_jaxpr import JaxprSite, Path, jaxpr_at, subjaxpr
 from hlotool.passes.logits import STRUCTURAL
+from hlotool.passes.tracing import Manual
 
 # Computes a site's output [out var's shape] from the site's free inputs, keyed by variable.
 # A `scope` attribute names the site in profiles: the spliced call runs under that name
@@ -104,6 +106,12 @@ def derivative(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> Backward | None:
             "replace it: use a policy that recomputes the attention (nothing_saveable, "
             "dots_with_no_batch_dims_saveable, or save_only_these_names without them)")
     outputs = {v for v in jaxpr.outvars if not isinstance(v, jaxcompat.Literal)}
+    if site.path and site.escaping & outputs and site.enclosing == jaxcompat.SHARD_MAP:
+        raise RewriteError(
+            "intermediate values of the attention leave the shard_map body as residuals for "
+            "its transpose (jax.grad taken outside the shard_map), which is not matched: take "
+            "the gradient inside the shard_map (a per-device train step that psums its "
+            "gradients), or rewrite the loss: jax.grad(flash_jit(loss))")
     if site.path and site.escaping & outputs:
         raise RewriteError(
             "intermediate values of the attention leave the loop body as residuals for a "
@@ -170,14 +178,36 @@ def _has_plain_call(jaxpr: jaxcompat.Jaxpr) -> bool:
         e.params)) for e in jaxpr.eqns)
 
 
-# Bodies traced only under their mesh axes: re-tracing them alone fails on their collectives.
-_NAMED_AXES = ("shard_map", "xla_pmap")
+# Bodies traced only under their mesh axes: re-tracing them alone fails on their collectives
+# (a shard_map body is re-traced under jax.shard_map: `_shard_mapped`; a pmap's is kept).
+_NAMED_AXES = (jaxcompat.SHARD_MAP, "xla_pmap")
 
 
-def inline_calls(closed: jaxcompat.ClosedJaxpr) -> jaxcompat.ClosedJaxpr:
-    """`closed` with its plain nested `jit`s inlined, in every body (their equations keep
-    their source lines and run under the jit's name as a scope; `shard_map` bodies are kept
-    as they are).
+def _open(body: Any) -> jaxcompat.Jaxpr:
+    return body.jaxpr if isinstance(body, jaxcompat.ClosedJaxpr) else body
+
+
+def _shard_mapped(eqn: jaxcompat.JaxprEqn, run: Callable, where: Manual | None) -> Callable:
+    """The shard_map `eqn` (in the body `where`) as a function of its operands, its body
+    evaluated by `run` (jaxpr, consts, args, its level → outputs) under the same mesh axes."""
+    body = eqn.params["jaxpr"]
+    consts = list(body.consts) if isinstance(body, jaxcompat.ClosedJaxpr) else []
+    inside = Manual.of(eqn, where)
+
+    def local(*xs):
+        return tuple(run(_open(body), consts, xs, inside))
+
+    return jax.shard_map(local, mesh=eqn.params["mesh"], in_specs=eqn.params["in_specs"],
+                         out_specs=eqn.params["out_specs"], axis_names=set(inside.axes),
+                         check_vma=inside.check_vma)
+
+
+def inline_calls(closed: jaxcompat.ClosedJaxpr, where: Manual | None = None
+                 ) -> jaxcompat.ClosedJaxpr:
+    """`closed` (a program, or a body at the level `where`) with its plain nested `jit`s
+    inlined, in every body (their equations keep their source lines and run under the
+    jit's name as a scope; `shard_map` bodies, and the bodies nested in them, are re-traced
+    under their mesh axes).
 
     jax's AD splits a jit into a forward jit and a transposed one, so a site inside a jit
     and its derivative end up in two bodies; and it writes a jit the site holds (`jnp.where`'s)
@@ -186,18 +216,23 @@ def inline_calls(closed: jaxcompat.ClosedJaxpr) -> jaxcompat.ClosedJaxpr:
     if not _has_plain_call(closed.jaxpr):
         return closed
 
-    def inlined(param: Any) -> Any:
-        if isinstance(param, jaxcompat.ClosedJaxpr) and _has_plain_call(param.jaxpr):
-            return inline_calls(param)
-        if isinstance(param, jaxcompat.Jaxpr) and not param.constvars and _has_plain_call(param):
-            new = inline_calls(jaxcompat.ClosedJaxpr(param, []))
-            return new.jaxpr if not new.consts else param
+    def inlined(param: Any, where: Manual | None) -> Any:
+        try:
+            if isinstance(param, jaxcompat.ClosedJaxpr) and _has_plain_call(param.jaxpr):
+                return inline_calls(param, where)
+            if isinstance(param, jaxcompat.Jaxpr) and not param.constvars \
+                    and _has_plain_call(param):
+                new = inline_calls(jaxcompat.ClosedJaxpr(param, []), where)
+                return new.jaxpr if not new.consts else param
+        except tracing.TraceError:
+            return param  # a body that cannot be re-traced where it lives keeps its calls
         if isinstance(param, (tuple, list)) and any(
                 isinstance(x, (jaxcompat.ClosedJaxpr, jaxcompat.Jaxpr)) for x in param):
-            return type(param)(inlined(x) for x in param)
+            return type(param)(inlined(x, where) for x in param)
         return param
 
-    def run(jaxpr: jaxcompat.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    def run(jaxpr: jaxcompat.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+            where: Manual | None) -> list[Any]:
         env = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
 
@@ -210,10 +245,14 @@ def inline_calls(closed: jaxcompat.ClosedJaxpr) -> jaxcompat.ClosedJaxpr:
                 scope = "/".join(x for x in (str(eqn.source_info.name_stack),
                                              eqn.params["name"]) if x)
                 with jax.named_scope(scope):
-                    outs = run(body.jaxpr, body.consts, [read(v) for v in eqn.invars])
+                    outs = run(body.jaxpr, body.consts, [read(v) for v in eqn.invars], where)
+            elif eqn.primitive.name == jaxcompat.SHARD_MAP and _has_plain_call(
+                    _open(eqn.params["jaxpr"])):
+                outs = _shard_mapped(eqn, run, where)(*(read(v) for v in eqn.invars))
             else:
                 if eqn.primitive.name not in _NAMED_AXES:
-                    eqn = eqn.replace(params={k: inlined(p) for k, p in eqn.params.items()})
+                    eqn = eqn.replace(params={k: inlined(p, where)
+                                              for k, p in eqn.params.items()})
                 reads = list(dict.fromkeys(v for v in eqn.invars
                                            if not isinstance(v, jaxcompat.Literal)))
                 one = jaxpr.replace(constvars=[], invars=reads, outvars=list(eqn.outvars),
@@ -223,31 +262,30 @@ def inline_calls(closed: jaxcompat.ClosedJaxpr) -> jaxcompat.ClosedJaxpr:
         return [read(v) for v in jaxpr.outvars]
 
     def program(*args):
-        return run(closed.jaxpr, closed.consts, args)
+        return run(closed.jaxpr, closed.consts, args, where)
 
-    return jax.make_jaxpr(program)(*(spec(a) for a in closed.in_avals))
+    return tracing.trace(where, program, closed.in_avals, closed.out_avals)
 
 
-def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any,
+def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, where: Manual | None,
                 cache: dict[Any, jaxcompat.JaxprEqn]) -> jaxcompat.JaxprEqn:
-    """`fn` traced into one `jit` equation reading `inputs` and defining `out`.
+    """`fn` traced into one `jit` equation reading `inputs` and defining `out`, at the
+    site's level `where`.
 
     A replacement with a `cache_key` attribute is traced once per key and input types:
     the 24 identical layers of a model share one traced kernel.
     """
     key = getattr(fn, "cache_key", None)
     if key is not None:
-        key = (key, tuple(v.aval for v in inputs))
+        key = (key, where, tuple(v.aval for v in inputs))
         if key in cache:
             return cache[key].replace(invars=list(inputs), outvars=[out])
 
     def flat(*xs):
-        return fn(dict(zip(inputs, xs)))
+        return (fn(dict(zip(inputs, xs))),)
 
     flat.__name__ = CALL
-    specs = [spec(v.aval) for v in inputs]
-    closed = jax.make_jaxpr(jax.jit(flat))(*specs)
-    (eqn,) = closed.jaxpr.eqns
+    eqn = _one_call(tracing.trace(where, jax.jit(flat), [v.aval for v in inputs], [out.aval]))
     got, want = eqn.outvars[0].aval, out.aval
     if (got.shape, got.dtype) != (want.shape, want.dtype):
         raise RewriteError(f"replacement returns {got.str_short()}, the site defines "
@@ -255,6 +293,15 @@ def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any,
     if key is not None:
         cache[key] = eqn
     return eqn.replace(invars=list(inputs), outvars=[out])
+
+
+def _one_call(closed: jaxcompat.ClosedJaxpr) -> jaxcompat.JaxprEqn:
+    """The `jit` equation a traced `jax.jit(...)` consists of."""
+    calls = closed.jaxpr.eqns
+    if len(calls) != 1:
+        raise RewriteError(f"the replacement traced to {len(calls)} equations, not one call: "
+                           f"{', '.join(str(e.primitive) for e in calls[:4])}")
+    return calls[0]
 
 
 def _split(joint: jaxcompat.ClosedJaxpr) -> tuple[jaxcompat.ClosedJaxpr, jaxcompat.ClosedJaxpr,
@@ -285,14 +332,15 @@ def _split(joint: jaxcompat.ClosedJaxpr) -> tuple[jaxcompat.ClosedJaxpr, jaxcomp
     return (joint.replace(jaxpr=forward), joint.replace(jaxpr=backward), passed)
 
 
-def _as_eqn(body: jaxcompat.ClosedJaxpr, name: str) -> jaxcompat.JaxprEqn:
+def _as_eqn(body: jaxcompat.ClosedJaxpr, name: str, where: Manual | None
+            ) -> jaxcompat.JaxprEqn:
     """`body` as one `jit` equation (fresh output variables) named `name`."""
     def flat(*xs):
         return jaxcompat.eval_jaxpr(body.jaxpr, body.consts, *xs)
 
     flat.__name__ = name
-    (eqn,) = jax.make_jaxpr(jax.jit(flat))(*(spec(v.aval) for v in body.jaxpr.invars)).jaxpr.eqns
-    return eqn
+    return _one_call(tracing.trace(where, jax.jit(flat), [v.aval for v in body.jaxpr.invars],
+                                   [v.aval for v in body.jaxpr.outvars]))
 
 
 def _traced_pair(fn: Replacement, inputs: list[Any], site: JaxprSite, backward: Backward
@@ -304,16 +352,17 @@ def _traced_pair(fn: Replacement, inputs: list[Any], site: JaxprSite, backward: 
     if (ct_aval.shape, ct_aval.dtype) != (site.out.aval.shape, site.out.aval.dtype):
         raise RewriteError(f"the program's cotangent {ct_aval.str_short()} does not match the "
                            f"site's output {site.out.aval.str_short()}")
-    traced = jax.make_jaxpr(with_gradient(fn, inputs, wrt))(
-        *(spec(v.aval) for v in inputs), spec(ct_aval))
+    avals = [v.aval for v in inputs]
+    traced = tracing.trace(site.manual, with_gradient(fn, inputs, wrt), [*avals, ct_aval],
+                           [site.out.aval, *(avals[i] for i in wrt)])
     for got, want in zip(traced.jaxpr.outvars, (site.out, *backward.grads)):
         if (got.aval.shape, got.aval.dtype) != (want.aval.shape, want.aval.dtype):
             raise RewriteError(f"replacement's derivative gives {got.aval.str_short()} where "
                                f"the program has {want.aval.str_short()}")
     forward, back, passed = _split(traced)
-    fwd = _as_eqn(forward, CALL)
+    fwd = _as_eqn(forward, CALL, site.manual)
     fwd = fwd.replace(invars=list(inputs), outvars=[site.out, *fwd.outvars[1:]])
-    bwd = _as_eqn(back, f"{CALL}_backward")
+    bwd = _as_eqn(back, f"{CALL}_backward", site.manual)
     bwd = bwd.replace(invars=[*fwd.outvars[1:], *(inputs[i] for i in passed),
                               backward.cotangent], outvars=list(backward.grads))
     return fwd, bwd
@@ -344,7 +393,7 @@ def _splices(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, fn: Replacement,
     at = next(i for i in site.eqns if site.out in jaxpr.eqns[i].outvars)
     inputs = free_inputs(jaxpr, site)
     if backward is None:
-        calls = {at: _traced_eqn(fn, inputs, site.out, cache)}
+        calls = {at: _traced_eqn(fn, inputs, site.out, site.manual, cache)}
     else:
         fwd, bwd = _traced_pair(fn, inputs, site, backward)
         calls = {at: fwd, min(backward.backward): bwd}
@@ -355,7 +404,7 @@ def _splices(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, fn: Replacement,
     splices = [Splice(site.path, frozenset(own),
                       {i: e.replace(source_info=info) for i, e in calls.items()})]
     for r in getattr(fn, "recomputes", ()):
-        call = _traced_recompute(fn, inputs, r).replace(source_info=info)
+        call = _traced_recompute(fn, inputs, r, site.manual).replace(source_info=info)
         splices.append(Splice(r.path, r.equations, {r.first: call}))
     return splices
 
@@ -366,7 +415,8 @@ def _info(eqn: jaxcompat.JaxprEqn, fn: Replacement) -> Any:
     return info.replace(name_stack=info.name_stack.extend(scope)) if scope else info
 
 
-def _traced_recompute(fn: Replacement, inputs: list[Any], r: Recompute) -> jaxcompat.JaxprEqn:
+def _traced_recompute(fn: Replacement, inputs: list[Any], r: Recompute, where: Manual | None
+                      ) -> jaxcompat.JaxprEqn:
     """jax's AD of `fn` as one call reading the body's values of the site's inputs and its
     cotangent, defining the body's gradient variables: the kernel recomputes its forward."""
     both = with_gradient(fn, inputs, r.wrt)
@@ -375,8 +425,9 @@ def _traced_recompute(fn: Replacement, inputs: list[Any], r: Recompute) -> jaxco
         return both(*args)[1:]
 
     grads.__name__ = f"{CALL}_recompute"
-    (eqn,) = jax.make_jaxpr(jax.jit(grads))(
-        *(spec(v.aval) for v in (*r.inputs, r.cotangent))).jaxpr.eqns
+    eqn = _one_call(tracing.trace(where, jax.jit(grads),
+                                  [v.aval for v in (*r.inputs, r.cotangent)],
+                                  [v.aval for v in r.grads]))
     for got, want in zip(eqn.outvars, r.grads):
         if (got.aval.shape, got.aval.dtype) != (want.aval.shape, want.aval.dtype):
             raise RewriteError(f"replacement's derivative gives {got.aval.str_short()} where "

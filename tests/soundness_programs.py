@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 from hlotool.flash import Rewritten
 from hlotool.kernels import get
@@ -440,6 +441,19 @@ def value_and_grads(fn, diff):
     return both
 
 
+def data_parallel(step, args):
+    """`step` as a data-parallel train step on a one-device mesh: every array argument split
+    over the "data" axis along its leading dimension, the results averaged over it (exact on
+    one device), so inside the shard_map every value varies over "data" as on a real mesh."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    specs = tuple(P("data") if np.ndim(a) else P() for a in args)
+
+    def per_device(*xs):
+        return jax.lax.pmean(step(*xs), "data")
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P())
+
+
 def _arrays(out_and_grads) -> list[np.ndarray]:
     out, grads = out_and_grads
     return [np.asarray(x, np.float64) for x in (out, *grads)]
@@ -487,13 +501,15 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 def check(p: Program, blocks: tuple[int, int] = (8, 8),
           compiler_options: dict | None = None, train: bool = False,
-          checkpoint: bool = False) -> tuple[str, str]:
+          checkpoint: bool = False, sharded: bool = False) -> tuple[str, str]:
     """("native" | "rewritten" | "wrong", detail) for one program (see the module docstring).
 
     train: rewrite the program with its gradient inside (a train step: `flash_jit` of
     `value_and_grads(fn)`), not `value_and_grads` of the rewritten program.
     checkpoint: the program under `jax.checkpoint` (its backward recomputes it); a rewrite
-    that replaced the recompute too has the detail "recomputed"."""
+    that replaced the recompute too has the detail "recomputed".
+    sharded: the train step inside a shard_map (`data_parallel`), compared with the plain
+    program's."""
     fn, args, diff = build(p)
     if checkpoint:
         fn = jax.checkpoint(fn)
@@ -502,7 +518,8 @@ def check(p: Program, blocks: tuple[int, int] = (8, 8),
     kernel.block_q, kernel.block_k = blocks
     try:
         if train:
-            rewritten = Rewritten(value_and_grads(fn, diff), "chunked")
+            step = value_and_grads(fn, diff)
+            rewritten = Rewritten(data_parallel(step, args) if sharded else step, "chunked")
             traced = jax.jit(rewritten).trace(*args)
         else:
             rewritten = Rewritten(fn, "chunked")  # flash_jit(fn, kernel="chunked") is its jit

@@ -364,3 +364,22 @@ def test_scan_consts_counts_the_loop_invariant_operands():
     (scan,) = [e for e in jax.make_jaxpr(f)(1.0, 2.0, jnp.ones(2)).jaxpr.eqns
                if e.primitive.name == "scan"]
     assert jaxcompat.scan_consts(scan) == 2
+
+
+def test_shard_map_bodies_say_their_axes_on_this_jax():
+    """`manual_axes` (`manual_axes` up to jax 0.9, `newly_manual_axes` from 0.10) and
+    `varying_axes` (`aval.vma`, then `aval.manual_axis_type.varying`); `pvary` is the cast
+    detection reads as a copy."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    body = jax.shard_map(lambda x, w: x * w, mesh=mesh, in_specs=(P("data"), P()),
+                         out_specs=P("data"))
+    (eqn,) = jax.make_jaxpr(body)(jnp.ones((2, 3)), jnp.ones(3)).jaxpr.eqns
+    assert eqn.primitive.name == jaxcompat.SHARD_MAP
+    assert jaxcompat.manual_axes(eqn) == {"data"}
+    inner = eqn.params["jaxpr"]
+    x, w = inner.invars
+    assert (jaxcompat.varying_axes(x.aval), jaxcompat.varying_axes(w.aval)) == ({"data"}, set())
+    assert any(e.primitive.name in jaxcompat.MANUAL_CASTS for e in inner.eqns)
+    assert jaxcompat.varying_axes(jnp.ones(2)) == set()

@@ -1,8 +1,10 @@
 """Sharded programs: the kernel runs under shard_map over the mesh's batch/head axes, on 8
-host CPU devices (a subprocess: XLA_FLAGS must precede jax) and on a deviceless TPU v5e:2x2."""
+host CPU devices (a subprocess: XLA_FLAGS must precede jax) and on a deviceless TPU v5e:2x2;
+and train steps the user wrote with shard_map, whose sites live in its body."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -13,10 +15,12 @@ import textwrap
 import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
-from jax.sharding import NamedSharding
+import pytest
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hlotool
+from hlotool.passes.from_jaxpr import detect_jaxpr
 
 B, L, H, D = 4, 512, 4, 16
 
@@ -83,3 +87,114 @@ def test_deviceless_tpu_v5e_2x2_compiles_with_kernel_per_shard():
     assert lowered.as_text().count("stablehlo.custom_call @tpu_custom_call") == 1
     # Without shard_map this fails: Mosaic kernels cannot be partitioned automatically.
     assert "tpu_custom_call" in lowered.compile().as_text()
+
+
+# --- train steps written with shard_map: the sites live in its body ------------------------
+
+def data_parallel(loss, mesh, check_vma=True):
+    """A data-parallel train step as written with shard_map: each device takes the loss and
+    gradient of its shard of the batch, then their mean over the "data" axis."""
+    def step(params, tokens):
+        def per_device(params, tokens):
+            return jax.lax.pmean(jax.value_and_grad(loss)(params, tokens), "data")
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")),
+                             out_specs=P(), check_vma=check_vma)(params, tokens)
+    return step
+
+
+def decoder_loss():
+    from test_rewrite_models import load_example
+
+    m = load_example("causal_decoder")
+    return m, functools.partial(m.loss_fn, heads=2)
+
+
+@pytest.mark.parametrize("axis_type,check_vma", [("Auto", True), ("Explicit", True),
+                                                 ("Auto", False)])
+def test_a_data_parallel_train_step_rewrites_each_site_in_the_shard_map_body(axis_type,
+                                                                               check_vma):
+    from test_rewrite_models import relative_error, tpu_custom_calls
+
+    m, loss = decoder_loss()
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(getattr(AxisType, axis_type),))
+    params = m.init_params(jax.random.key(0), 16, 2)
+    tokens = jax.random.randint(jax.random.key(1), (1, 512), 0, m.VOCAB)
+    # The mean over one device is exact: the step equals the plain step on the whole batch.
+    plain = jax.jit(jax.value_and_grad(loss))(params, tokens)
+    if axis_type == "Explicit":
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+    step = data_parallel(loss, mesh, check_vma)
+    report = hlotool.explain(step, params, tokens)
+    assert (len(report.sites), report.rewritten) == (2, 2), str(report)
+    assert all(s.where == "shard_map.jaxpr" for s in report.sites), str(report)
+    fast = hlotool.flash_jit(step)
+    assert relative_error(fast(params, tokens), plain) < 1e-5
+    calls = str(fast.trace(params, tokens).jaxpr)
+    assert calls.count("name=hlotool_flash_backward") == 2
+    assert detect_jaxpr(fast.trace(params, tokens).jaxpr) == []
+    if axis_type == "Explicit":
+        return
+    # Upstream's TPU kernels type their outputs without the body's mesh axes: under
+    # check_vma they stay native with that reason; without it, three kernels per site
+    # (forward, dq, dk/dv) run in the body.
+    tpu = [s.kernels["tpu"] for s in report.sites]
+    if check_vma:
+        assert tpu == [None, None], str(report)
+        assert all("check_vma=False" in s.reason for s in report.sites)
+        assert tpu_custom_calls(step, params, tokens) == 0
+    else:
+        assert tpu == ["splash_tpu", "splash_tpu"], str(report)
+        assert tpu_custom_calls(step, params, tokens) == 2 * 3
+
+
+def test_a_gradient_taken_outside_the_shard_map_says_where_to_take_it():
+    from test_rewrite_models import relative_error
+
+    m, loss = decoder_loss()
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,))
+    params = m.init_params(jax.random.key(0), 16, 1)
+    tokens = jax.random.randint(jax.random.key(1), (1, 512), 0, m.VOCAB)
+
+    def sharded_loss(params, tokens):
+        per_device = jax.shard_map(lambda p, t: jax.lax.pmean(loss(p, t), "data"), mesh=mesh,
+                                   in_specs=(P(), P("data")), out_specs=P())
+        return per_device(params, tokens)
+
+    (site,) = hlotool.explain(jax.grad(sharded_loss), params, tokens).sites
+    assert not site.rewritten
+    assert "take the gradient inside the shard_map" in site.reason
+    # What the reason offers instead: the forward rewritten, jax's AD through the kernel.
+    got = jax.jit(jax.grad(hlotool.flash_jit(sharded_loss)))(params, tokens)
+    assert relative_error(got, jax.jit(jax.grad(sharded_loss))(params, tokens)) < 1e-5
+
+
+DATA_PARALLEL_SCRIPT = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp
+    import hlotool
+    from test_rewrite_models import relative_error
+    from test_rewrite_sharding import data_parallel, decoder_loss
+
+    m, loss = decoder_loss()
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = m.init_params(jax.random.key(0), 16, 2)
+    tokens = jax.random.randint(jax.random.key(1), (4, 512), 0, m.VOCAB)
+    step = data_parallel(loss, mesh)
+    report = hlotool.explain(step, params, tokens)
+    got = hlotool.flash_jit(step)(params, tokens)
+    print(json.dumps({
+        "devices": jax.device_count(), "rewritten": report.rewritten,
+        "error": relative_error(got, jax.jit(step)(params, tokens)),
+    }))
+""")
+
+
+def test_a_data_parallel_train_step_on_four_cpu_devices():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))
+    run = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert (result["devices"], result["rewritten"]) == (4, 2)
+    assert result["error"] < 1e-5

@@ -74,6 +74,28 @@ def test_the_generated_checkpointed_train_steps_exercise_recomputes():
     assert CHECKPOINT_OUTCOMES["recomputed"] >= 8, CHECKPOINT_OUTCOMES
 
 
+SHARDED_OUTCOMES: collections.Counter = collections.Counter()
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(soundness_programs.programs())
+def test_generated_data_parallel_train_steps_are_rewritten_exactly_or_left_native(program):
+    """The train steps inside a shard_map (a data-parallel step): the sites live in its body,
+    where values vary over the mesh axis and jax casts and psums them; the rewrite traces
+    the kernel and the reference derivative there (passes/tracing.py)."""
+    outcome, detail = soundness_programs.check(
+        program, compiler_options=soundness_programs.FAST_COMPILE, train=True, sharded=True)
+    SHARDED_OUTCOMES[outcome] += 1
+    assert outcome != "wrong", f"{detail}: {program}"
+
+
+def test_the_generated_data_parallel_train_steps_exercise_rewrites():
+    if not SHARDED_OUTCOMES:
+        test_generated_data_parallel_train_steps_are_rewritten_exactly_or_left_native()
+    assert SHARDED_OUTCOMES["rewritten"] >= 10, SHARDED_OUTCOMES
+
+
 def test_the_generated_programs_exercise_rewrites():
     """Guards the property test above against a grammar that stopped producing attention:
     the fixed sequence must rewrite a good share of its programs."""
