@@ -90,6 +90,28 @@ def test_generated_data_parallel_train_steps_are_rewritten_exactly_or_left_nativ
     assert outcome != "wrong", f"{detail}: {program}"
 
 
+SHARDED_CHECKPOINT_OUTCOMES: collections.Counter = collections.Counter()
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(soundness_programs.programs())
+def test_generated_checkpointed_data_parallel_train_steps_are_exact_or_native(program):
+    """Checkpointed programs in a data-parallel step: the recompute is traced and matched in
+    the shard_map body too."""
+    outcome, detail = soundness_programs.check(
+        program, compiler_options=soundness_programs.FAST_COMPILE, train=True,
+        checkpoint=True, sharded=True)
+    SHARDED_CHECKPOINT_OUTCOMES[detail if detail == "recomputed" else outcome] += 1
+    assert outcome != "wrong", f"{detail}: {program}"
+
+
+def test_the_generated_checkpointed_data_parallel_train_steps_exercise_recomputes():
+    if not SHARDED_CHECKPOINT_OUTCOMES:
+        test_generated_checkpointed_data_parallel_train_steps_are_exact_or_native()
+    assert SHARDED_CHECKPOINT_OUTCOMES["recomputed"] >= 4, SHARDED_CHECKPOINT_OUTCOMES
+
+
 def test_the_generated_data_parallel_train_steps_exercise_rewrites():
     if not SHARDED_OUTCOMES:
         test_generated_data_parallel_train_steps_are_rewritten_exactly_or_left_native()
