@@ -647,7 +647,7 @@ def band_mask(lq: int, lk: int, window: tuple[int | None, int | None]) -> jax.Ar
     return visible
 
 
-def varying_axes(*arrays: jax.Array | None) -> frozenset:
+def axes_varied_over(*arrays: jax.Array | None) -> frozenset:
     """The mesh axes any of `arrays` varies over inside a shard_map body (empty elsewhere)."""
     return frozenset().union(*(jaxcompat.varying_axes(jax.typeof(x)) for x in arrays
                                if x is not None))
@@ -661,7 +661,7 @@ def varying(tree, axes: frozenset):
         return tree
 
     def cast(x):
-        missing = tuple(sorted(axes - varying_axes(x)))
+        missing = tuple(sorted(axes - axes_varied_over(x)))
         return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)

@@ -48,8 +48,8 @@ from hlotool.kernels.base import (
     key_block_span,
     post_softmax,
     query_block_span,
+    axes_varied_over,
     varying,
-    varying_axes,
     zero_invalid_keys,
 )
 from hlotool.site import AttentionSite
@@ -454,9 +454,9 @@ class Chunked(AttentionKernel):
                      call.softcap, visit_all=finite and (
                          call.post_mask is not None
                          or (call.band is not None and call.band[0] is not None)),
-                     varying=varying_axes(call.q, call.k, call.v, call.bias, call.mask,
-                                          call.post_mask, call.sinks, call.kv_lengths,
-                                          *(call.segments or ())))
+                     varying=axes_varied_over(call.q, call.k, call.v, call.bias, call.mask,
+                                              call.post_mask, call.sinks, call.kv_lengths,
+                                              *(call.segments or ())))
         q = call.q * jnp.asarray(call.scale, call.q.dtype) if wide else call.q
         q = q.reshape(b, lq, hkv, g, d)
         q = _pad_axis(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, lq_p)

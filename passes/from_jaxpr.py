@@ -23,7 +23,7 @@ from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
 from hlotool.passes.attention import Layout, Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
-from hlotool.passes.tracing import Manual, manual_at
+from hlotool.passes.tracing import Manual
 from hlotool.passes.graph import (
     MAX_FOLD_ELEMENTS, Graph, Node, as_product, compares_with_constant, rounds_to_itself,
 )
@@ -80,6 +80,16 @@ def jaxpr_at(closed: jaxcompat.ClosedJaxpr, path: Path) -> jaxcompat.Jaxpr:
         sub = subjaxpr(jaxpr.eqns[index], param)
         jaxpr = sub.jaxpr if isinstance(sub, jaxcompat.ClosedJaxpr) else sub
     return jaxpr
+
+
+def manual_at(closed: jaxcompat.ClosedJaxpr, path: Path) -> Manual | None:
+    """The innermost shard_map body on `path`, or None for a site outside every shard_map."""
+    where = None
+    for depth, (index, _) in enumerate(path):
+        eqn = jaxpr_at(closed, path[:depth]).eqns[index]
+        if eqn.primitive.name == jaxcompat.SHARD_MAP:
+            where = Manual.of(eqn, where)
+    return where
 
 
 def describe_path(closed: jaxcompat.ClosedJaxpr, path: Path) -> str:

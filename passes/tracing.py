@@ -62,23 +62,9 @@ class Manual:
 
     def _replicated(self, aval: Any) -> jax.ShapeDtypeStruct:
         """A global value whose copy on every device has `aval`'s shape."""
-        explicit = any(str(t).endswith("Explicit") for t in getattr(self.mesh, "axis_types", ()))
+        explicit = jax.sharding.AxisType.Explicit in getattr(self.mesh, "axis_types", ())
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
                                     sharding=NamedSharding(self.mesh, P()) if explicit else None)
-
-
-def manual_at(closed: jaxcompat.ClosedJaxpr, path: Sequence[tuple[int, str]]) -> Manual | None:
-    """The innermost shard_map body on `path` (steps as `passes.from_jaxpr` writes them),
-    or None for a site outside every shard_map."""
-    jaxpr, where = closed.jaxpr, None
-    for index, param in path:
-        eqn = jaxpr.eqns[index]
-        if eqn.primitive.name == jaxcompat.SHARD_MAP:
-            where = Manual.of(eqn, where)
-        sub = (eqn.params["branches"][int(param[9:-1])] if param.startswith("branches[")
-               else eqn.params[param])
-        jaxpr = sub.jaxpr if isinstance(sub, jaxcompat.ClosedJaxpr) else sub
-    return where
 
 
 def trace(where: Manual | None, fn: Callable[..., Any], in_avals: Sequence[Any],
