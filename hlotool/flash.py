@@ -33,6 +33,7 @@ from hlotool.kernels.sharded import mesh_of, on_mesh
 from hlotool.passes import lower
 from hlotool.passes.from_jaxpr import JaxprSite, describe_path, detect_jaxpr, jaxpr_at
 from hlotool.passes.backward import Backward, Recompute
+from hlotool.passes.residuals import recompute_in_backward, recomputed_here
 from hlotool.passes.tracing import TraceError
 from hlotool.passes.rewrite import (
     Replacement, RewriteError, check, derivative, free_inputs, inline_calls, prepare,
@@ -254,6 +255,27 @@ def plan_program(closed: jaxcompat.ClosedJaxpr, function: str, kernel: str = "au
         inlined = inline_calls(closed)
         if inlined is not closed:
             closed, sites = inlined, detect_jaxpr(inlined, function)
+    moved, moved_sites, count = recompute_in_backward(closed, sites, function)
+    if count:
+        plan = _plan(moved, moved_sites, function, kernel, disabled, mesh)
+        recomputed = [r for r, s in zip(plan.report.sites, moved_sites)
+                      if recomputed_here(jaxpr_at(moved, s.path), s)]
+        left = [r.reason for r in recomputed if not r.rewritten]
+        if len(recomputed) < count:  # a recompute that no longer reads as attention
+            left.append("its recomputed equations are not detected as attention there")
+        if not left:
+            return plan
+        unmoved = _plan(closed, sites, function, kernel, disabled, mesh)
+        return dataclasses.replace(unmoved, report=dataclasses.replace(unmoved.report, sites=tuple(
+            dataclasses.replace(r, reason=f"{r.reason} (recomputed in the backward loop, it "
+                                f"would stay native there: {left[0]})")
+            if not r.rewritten and s.enclosing == "scan" and s.escaping else r
+            for r, s in zip(unmoved.report.sites, sites))))
+    return _plan(closed, sites, function, kernel, disabled, mesh)
+
+
+def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, kernel: str,
+          disabled: Mapping[tuple, str] | None, mesh: Any) -> Plan:
     disabled = disabled or {}
     reports, replacements, cache = [], [], {}
     sited = frozenset(site.path for site in sites)
@@ -274,6 +296,9 @@ def plan_program(closed: jaxcompat.ClosedJaxpr, function: str, kernel: str = "au
                         jaxpr, site, form.kernel, plan, on, index, form.backward,
                         form.recomputes), cache)))
                     reason += form.note
+                    if recomputed_here(jaxpr, site):
+                        reason += ("; recomputed in the backward loop from its inputs, which "
+                                   "the forward loop saves in place of its probabilities")
             except (RewriteError, TraceError) as err:
                 plan, reason = dict.fromkeys(PLATFORMS), str(err)
             except Exception as err:  # noqa: BLE001 - a kernel that cannot trace: keep native

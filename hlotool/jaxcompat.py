@@ -220,19 +220,22 @@ def bind_params(eqn: Any) -> tuple[list[Any], dict[str, Any]]:
     return got if _BIND_SPLITS_SUBFUNS else ([], got)
 
 
-def scan_consts(eqn: Any) -> int:
-    """How many of a `scan` equation's leading operands are loop-invariant (the same on every
-    iteration): `num_consts` up to jax 0.11, the first group of `ft_in` (consts, carry, xs)
-    from 0.12 on; 0 where neither is there (nothing is then known invariant)."""
+def scan_groups(eqn: Any) -> tuple[int, int, int] | None:
+    """How many of a `scan` equation's operands are loop-invariant consts, carry, and
+    scanned xs (its outputs: the carry, then the stacked ys): `num_consts`/`num_carry` up to
+    jax 0.11, the groups of `ft_in` (consts, carry, xs) from 0.12 on; None where neither is
+    there (nothing is then known about its operands)."""
     params = eqn.params
-    if "num_consts" in params:
-        return int(params["num_consts"])
-    groups = params.get("ft_in")  # a flat tree of (consts, carry, xs) leaves
+    if "num_consts" in params and "num_carry" in params:
+        consts, carry = int(params["num_consts"]), int(params["num_carry"])
+        return consts, carry, len(eqn.invars) - consts - carry
     try:
-        consts = groups.unpack()[0]
-        return len(list(consts.vals))
-    except (AttributeError, IndexError, TypeError):
-        return 0
+        groups = [len(list(g.vals)) for g in params["ft_in"].unpack()]
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if len(groups) != 3 or sum(groups) != len(eqn.invars):
+        return None
+    return groups[0], groups[1], groups[2]
 
 
 # --- shard_map bodies: what their equations and values say, across versions -------------

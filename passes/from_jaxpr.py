@@ -73,6 +73,15 @@ def subjaxpr(eqn: jaxcompat.JaxprEqn, param: str) -> jaxcompat.Jaxpr | jaxcompat
     return eqn.params[param]
 
 
+def with_subjaxpr(eqn: jaxcompat.JaxprEqn, param: str, new: Any) -> jaxcompat.JaxprEqn:
+    """`eqn` with the sub-jaxpr a path step names replaced by `new`."""
+    if param.startswith("branches["):
+        branches = list(eqn.params["branches"])
+        branches[int(param[9:-1])] = new
+        return eqn.replace(params={**eqn.params, "branches": tuple(branches)})
+    return eqn.replace(params={**eqn.params, param: new})
+
+
 def jaxpr_at(closed: jaxcompat.ClosedJaxpr, path: Path) -> jaxcompat.Jaxpr:
     """The (open) jaxpr at `path` inside `closed`."""
     jaxpr = closed.jaxpr
@@ -212,7 +221,8 @@ class _Builder:
                              if isinstance(subs, (tuple, list)) else [(param, subs)])
                     known = None
                     if prim == "scan":
-                        invariant = jaxcompat.scan_consts(eqn)
+                        groups = jaxcompat.scan_groups(eqn)
+                        invariant = groups[0] if groups else 0
                         known = dict(zip(subs.jaxpr.invars[:invariant], inputs))
                     elif prim == jaxcompat.SHARD_MAP:
                         # An operand replicated over the mesh (spec P()) holds the caller's

@@ -38,7 +38,7 @@ from hlotool.passes import tracing
 from hlotool.passes.backward import (
     REMAT, Backward, NoBackward, Recompute, find_backward, find_recomputes, with_gradient,
 )
-from hlotool.passes.from_jaxpr import JaxprSite, Path, jaxpr_at, subjaxpr
+from hlotool.passes.from_jaxpr import JaxprSite, Path, jaxpr_at, subjaxpr, with_subjaxpr
 from hlotool.passes.logits import STRUCTURAL
 from hlotool.passes.tracing import Manual
 
@@ -253,11 +253,7 @@ def inline_calls(closed: jaxcompat.ClosedJaxpr, where: Manual | None = None
                 if eqn.primitive.name not in _NAMED_AXES:
                     eqn = eqn.replace(params={k: inlined(p, where)
                                               for k, p in eqn.params.items()})
-                reads = list(dict.fromkeys(v for v in eqn.invars
-                                           if not isinstance(v, jaxcompat.Literal)))
-                one = jaxpr.replace(constvars=[], invars=reads, outvars=list(eqn.outvars),
-                                    eqns=[eqn], effects=eqn.effects)
-                outs = jaxcompat.eval_jaxpr(one, (), *(env[v] for v in reads))
+                outs = tracing.evaluate(jaxpr, eqn, env)
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
 
@@ -448,14 +444,6 @@ def _substitute(jaxpr: jaxcompat.Jaxpr, splices: Sequence[Splice]) -> jaxcompat.
     return jaxpr.replace(eqns=eqns)
 
 
-def _with_sub(eqn: jaxcompat.JaxprEqn, param: str, new) -> jaxcompat.JaxprEqn:
-    if param.startswith("branches["):
-        branches = list(eqn.params["branches"])
-        branches[int(param[9:-1])] = new
-        return eqn.replace(params={**eqn.params, "branches": tuple(branches)})
-    return eqn.replace(params={**eqn.params, param: new})
-
-
 def _rebuild(jaxpr: jaxcompat.Jaxpr, here: Path, by_path: Mapping[Path, list[Splice]]
              ) -> jaxcompat.Jaxpr:
     """`jaxpr` (at `here`) with the splices at and below it applied; interface kept."""
@@ -470,7 +458,7 @@ def _rebuild(jaxpr: jaxcompat.Jaxpr, here: Path, by_path: Mapping[Path, list[Spl
             inner = sub.jaxpr if isinstance(sub, jaxcompat.ClosedJaxpr) else sub
             new = _rebuild(inner, here + ((index, param),), by_path)
             new = sub.replace(jaxpr=new) if isinstance(sub, jaxcompat.ClosedJaxpr) else new
-            eqns[index] = _with_sub(eqns[index], param, new)
+            eqns[index] = with_subjaxpr(eqns[index], param, new)
         jaxpr = jaxpr.replace(eqns=eqns)
     if here in by_path:
         jaxpr = _substitute(jaxpr, by_path[here])

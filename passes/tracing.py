@@ -12,7 +12,7 @@ same axes as the body's, and returns that shard_map's body.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding
@@ -65,6 +65,16 @@ class Manual:
         explicit = jax.sharding.AxisType.Explicit in getattr(self.mesh, "axis_types", ())
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
                                     sharding=NamedSharding(self.mesh, P()) if explicit else None)
+
+
+def evaluate(jaxpr: jaxcompat.Jaxpr, eqn: jaxcompat.JaxprEqn, env: Mapping[Any, Any]
+             ) -> list[Any]:
+    """The outputs of `eqn` (of `jaxpr`) on the values `env` holds for its operands, bound
+    as jax's own evaluator binds it (on tracers: the equation again in the traced program)."""
+    reads = list(dict.fromkeys(v for v in eqn.invars if not isinstance(v, jaxcompat.Literal)))
+    one = jaxpr.replace(constvars=[], invars=reads, outvars=list(eqn.outvars), eqns=[eqn],
+                        effects=eqn.effects)
+    return jaxcompat.eval_jaxpr(one, (), *(env[v] for v in reads))
 
 
 def trace(where: Manual | None, fn: Callable[..., Any], in_avals: Sequence[Any],

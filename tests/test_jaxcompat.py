@@ -355,15 +355,16 @@ def test_tpu_target_without_libtpu_is_a_one_line_hint(monkeypatch):
     assert targets.get_target("cpu").sharding() is None
 
 
-def test_scan_consts_counts_the_loop_invariant_operands():
-    """`num_consts` up to jax 0.11, the first group of `ft_in` from 0.12: the installed jax's
-    scan says which operands detection may read as constants of its body."""
+def test_scan_groups_count_consts_carry_and_xs():
+    """`num_consts`/`num_carry` up to jax 0.11, the groups of `ft_in` from 0.12: the
+    installed jax's scan says which operands detection may read as constants of its body,
+    and which are stacked per iteration."""
     def f(x, y, z):
         return jax.lax.scan(lambda c, w: (c * w + y * z[0], None), x, jnp.ones(3))[0]
 
     (scan,) = [e for e in jax.make_jaxpr(f)(1.0, 2.0, jnp.ones(2)).jaxpr.eqns
                if e.primitive.name == "scan"]
-    assert jaxcompat.scan_consts(scan) == 2
+    assert jaxcompat.scan_groups(scan) == (2, 1, 1)
 
 
 def test_shard_map_bodies_say_their_axes_on_this_jax():
