@@ -29,14 +29,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 H, D = 8, 64
 
 
-STRUCTURES = ("unrolled", "remat", "scan-remat")
+STRUCTURES = ("unrolled", "remat", "scan", "scan-remat")
 
 
 def decoder(layers: int, structure: str = "unrolled"):
     """fn(x [B, L, H·D], w [layers, 4, H·D, H·D]) -> [B, L, H·D]: pre-norm causal attention
     blocks written the naive way, with a linear layer after each. structure: the blocks one
-    after the other ("unrolled"), each under jax.checkpoint ("remat"), or a lax.scan over
-    checkpointed blocks ("scan-remat", as flax's nn.scan(nn.remat(Block)) writes it)."""
+    after the other ("unrolled"), each under jax.checkpoint ("remat"), a lax.scan over the
+    blocks ("scan", as flax's nn.scan(Block) writes it), or a lax.scan over checkpointed
+    blocks ("scan-remat", as flax's nn.scan(nn.remat(Block)) writes it)."""
     import jax
     import jax.numpy as jnp
 
@@ -52,9 +53,9 @@ def decoder(layers: int, structure: str = "unrolled"):
         q, k, v = (jnp.dot(h, wi[j]).reshape(b, length, H, D) for j in range(3))
         return x + jnp.dot(attention(q, k, v).reshape(b, length, e), wi[3])
 
-    if structure == "scan-remat":
-        remat = jax.checkpoint(block)
-        return lambda x, w: jax.lax.scan(lambda x, wi: (remat(x, wi), None), x, w[:layers])[0]
+    if structure in ("scan", "scan-remat"):
+        layer = jax.checkpoint(block) if structure == "scan-remat" else block
+        return lambda x, w: jax.lax.scan(lambda x, wi: (layer(x, wi), None), x, w[:layers])[0]
     each = jax.checkpoint(block) if structure == "remat" else block
 
     def fn(x, w):

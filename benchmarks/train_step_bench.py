@@ -7,7 +7,9 @@
 The step is `jax.value_and_grad` of a mean-square loss through the causal decoder of
 `flash_jit_bench.py` (B=1, H=8, D=64, f32, 2 layers, attention written the naive way), then
 an SGD update: flash_jit must replace each site's forward and jax's backward of it (with
---structure remat or scan-remat, the backward's recompute inside jax.checkpoint). Each
+--structure remat or scan-remat, the backward's recompute inside jax.checkpoint; with
+--structure scan, the backward loop's, which reads the probabilities the forward loop saves
+until flash_jit has it recompute them in the kernel). Each
 variant runs in its own process (peak RSS is per process) capped with RLIMIT_AS at --cap-gb;
 a native run whose saved probabilities alone would pass the cap is not started and shows as
 "OOM (needs ≈X GB)". Times: median of --repeats steps after a warm-up step, compile apart.
@@ -103,8 +105,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cap-gb", type=float, default=20.0)
     parser.add_argument("--structure", choices=STRUCTURES, default="unrolled",
-                        help="the layers unrolled, each under jax.checkpoint, or a lax.scan "
-                             "over checkpointed layers")
+                        help="the layers unrolled, each under jax.checkpoint, a lax.scan "
+                             "over them (its backward loop reads the saved probabilities), or "
+                             "a lax.scan over checkpointed layers")
     parser.add_argument("--child", choices=("native", "flash"))
     args = parser.parse_args()
     cap = int(args.cap_gb * 2**30)
