@@ -73,8 +73,18 @@ def subjaxpr(eqn: jaxcompat.JaxprEqn, param: str) -> jaxcompat.Jaxpr | jaxcompat
     return eqn.params[param]
 
 
-def with_subjaxpr(eqn: jaxcompat.JaxprEqn, param: str, new: Any) -> jaxcompat.JaxprEqn:
-    """`eqn` with the sub-jaxpr a path step names replaced by `new`."""
+def open_subjaxpr(eqn: jaxcompat.JaxprEqn, param: str) -> jaxcompat.Jaxpr:
+    """The open jaxpr of the sub-jaxpr a path step names (a closed one without its consts)."""
+    sub = subjaxpr(eqn, param)
+    return sub.jaxpr if isinstance(sub, jaxcompat.ClosedJaxpr) else sub
+
+
+def with_subjaxpr(eqn: jaxcompat.JaxprEqn, param: str, inner: jaxcompat.Jaxpr
+                  ) -> jaxcompat.JaxprEqn:
+    """`eqn` with the open jaxpr a path step names replaced by `inner` (same interface); a
+    closed sub-jaxpr keeps its consts."""
+    sub = subjaxpr(eqn, param)
+    new = sub.replace(jaxpr=inner) if isinstance(sub, jaxcompat.ClosedJaxpr) else inner
     if param.startswith("branches["):
         branches = list(eqn.params["branches"])
         branches[int(param[9:-1])] = new
@@ -86,8 +96,7 @@ def jaxpr_at(closed: jaxcompat.ClosedJaxpr, path: Path) -> jaxcompat.Jaxpr:
     """The (open) jaxpr at `path` inside `closed`."""
     jaxpr = closed.jaxpr
     for index, param in path:
-        sub = subjaxpr(jaxpr.eqns[index], param)
-        jaxpr = sub.jaxpr if isinstance(sub, jaxcompat.ClosedJaxpr) else sub
+        jaxpr = open_subjaxpr(jaxpr.eqns[index], param)
     return jaxpr
 
 

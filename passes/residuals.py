@@ -29,7 +29,7 @@ from hlotool import jaxcompat
 from hlotool.passes import tracing
 from hlotool.passes.rewrite import free_inputs
 from hlotool.passes.from_jaxpr import (
-    JaxprSite, Path, detect_jaxpr, jaxpr_at, manual_at, subjaxpr, with_subjaxpr,
+    JaxprSite, Path, detect_jaxpr, jaxpr_at, manual_at, open_subjaxpr, with_subjaxpr,
 )
 
 # The name scope of the recomputed equations (in profiles: ".../hlotool_recompute/...").
@@ -293,10 +293,7 @@ def _replaced(jaxpr: jaxcompat.Jaxpr, path: Path, new: jaxcompat.Jaxpr) -> jaxco
     if not path:
         return new
     (index, param), rest = path[0], path[1:]
-    sub = subjaxpr(jaxpr.eqns[index], param)
-    inner = sub.jaxpr if isinstance(sub, jaxcompat.ClosedJaxpr) else sub
-    inner = _replaced(inner, rest, new)
-    sub = sub.replace(jaxpr=inner) if isinstance(sub, jaxcompat.ClosedJaxpr) else inner
     eqns = list(jaxpr.eqns)
-    eqns[index] = with_subjaxpr(eqns[index], param, sub)
+    eqns[index] = with_subjaxpr(eqns[index], param,
+                                _replaced(open_subjaxpr(eqns[index], param), rest, new))
     return jaxpr.replace(eqns=eqns)

@@ -38,7 +38,9 @@ from hlotool.passes import tracing
 from hlotool.passes.backward import (
     REMAT, Backward, NoBackward, Recompute, find_backward, find_recomputes, with_gradient,
 )
-from hlotool.passes.from_jaxpr import JaxprSite, Path, jaxpr_at, subjaxpr, with_subjaxpr
+from hlotool.passes.from_jaxpr import (
+    JaxprSite, Path, jaxpr_at, open_subjaxpr, with_subjaxpr,
+)
 from hlotool.passes.logits import STRUCTURAL
 from hlotool.passes.tracing import Manual
 
@@ -454,10 +456,7 @@ def _rebuild(jaxpr: jaxcompat.Jaxpr, here: Path, by_path: Mapping[Path, list[Spl
     if deeper:
         eqns = list(jaxpr.eqns)
         for index, param in deeper:
-            sub = subjaxpr(eqns[index], param)
-            inner = sub.jaxpr if isinstance(sub, jaxcompat.ClosedJaxpr) else sub
-            new = _rebuild(inner, here + ((index, param),), by_path)
-            new = sub.replace(jaxpr=new) if isinstance(sub, jaxcompat.ClosedJaxpr) else new
+            new = _rebuild(open_subjaxpr(eqns[index], param), here + ((index, param),), by_path)
             eqns[index] = with_subjaxpr(eqns[index], param, new)
         jaxpr = jaxpr.replace(eqns=eqns)
     if here in by_path:
