@@ -41,6 +41,10 @@ class Case:
     kv_lengths: tuple[int, ...] | None = None  # keys beyond are NaN in q/k/v inputs
     dtype: str = "float32"
     scale: float | None = 0.3
+    window: tuple[int | None, int | None] | None = None
+    fill: float = -math.inf
+    softcap: float | None = None
+    sinks: bool = False  # one sink logit per query head
 
 
 CASES = [
@@ -69,6 +73,13 @@ def _inputs(case: Case):
     k = jax.random.normal(keys[1], (case.batch, case.lk, case.hkv, case.d)).astype(dt)
     v = jax.random.normal(keys[2], (case.batch, case.lk, case.hkv, case.d)).astype(dt)
     extra = {"causal": case.causal, "scale": case.scale}
+    for name in ("window", "softcap"):
+        if getattr(case, name) is not None:
+            extra[name] = getattr(case, name)
+    if case.fill != -math.inf:
+        extra["fill"] = case.fill
+    if case.sinks:
+        extra["sinks"] = jax.random.normal(jax.random.fold_in(keys[3], 1), (1, case.hq, 1, 1))
     bias = None
     if case.bias is not None:
         bias = jax.random.normal(keys[3], case.bias)
@@ -131,6 +142,32 @@ def test_chunked_small_blocks(case):
 @pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=lambda c: c.name)
 def test_chunked_default_blocks(case):
     _check(Chunked(), case)
+
+
+F32_MIN = float(np.finfo(np.float32).min)
+EDGE_CASES = [
+    Case("causal", lq=83, lk=83, hq=4, d=16, causal=True),
+    Case("causal_fill_-1e9", lq=83, lk=83, hq=4, d=16, causal=True, fill=-1e9),
+    Case("causal_fill_finfo_min_lq_lt_lk", lq=61, lk=83, hq=4, d=16, causal=True,
+         fill=F32_MIN),
+    Case("sliding_window", lq=83, lk=83, hq=4, d=16, causal=True, window=(20, 0)),
+    # A fill near the logits: skipped keys keep visible weight.
+    Case("causal_fill_-2", lq=83, lk=83, hq=4, d=16, causal=True, fill=-2.0),
+    Case("right_offset_fill_-2", lq=83, lk=83, hq=4, d=16, window=(None, 5), fill=-2.0),
+    Case("both_sides_bias_sinks_softcap", lq=83, lk=83, hq=4, d=16, window=(7, 3),
+         bias=(1, 4, 83, 83), sinks=True, softcap=5.0),
+    Case("causal_key_padding_bias", batch=2, lq=83, lk=83, hq=4, d=16, causal=True,
+         kv_lengths=(83, 40), bias=(2, 1, 1, 83)),
+]
+
+
+@pytest.mark.parametrize("blocks", [(16, 8), (8, 16)])
+@pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: c.name)
+def test_chunked_band_edges_with_small_blocks(case, blocks):
+    """Several tiles on each edge of the band (block_q above and below block_k, lengths no
+    block multiple), GQA (G = 2), and finite fills whose skipped keys enter in closed form:
+    suffix sums of V per query block forward, prefix sums of w·dO per key block backward."""
+    _check(Chunked(*blocks), case)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
