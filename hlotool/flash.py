@@ -170,6 +170,17 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
     constrain scheduling)."""
     inputs = free_inputs(jaxpr, site)
     own = site_equations(jaxpr, site)
+    # Differentiated with respect to what the site's equations read (a train step's
+    # derivative, `backward.differentiated`): the kernel reads its operands from there.
+    direct = backward is not None or bool(recomputes)
+    if direct:
+        wrt = {*(backward.wrt if backward is not None else ()),
+               *(inputs[i] for r in recomputes for i in r.wrt)}
+        broadcast = [m for m in (*(b for b, _ in form.biases), *form.operand_masks)
+                     if m.direct is not None and m.direct is not m.var]
+        if any(m.var in wrt for m in broadcast):
+            raise RewriteError("the site reads a bias, sink or head-mask operand both as it "
+                               "is and broadcast, and its derivative takes both")
 
     def branch(name: str | None) -> Callable[..., jax.Array]:
         def run(*xs):
@@ -177,7 +188,7 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
             if name is None:
                 return own(values)
             with jax.named_scope(name):
-                call, after = lower.operands(form, site, values)
+                call, after = lower.operands(form, site, values, direct)
 
                 def attend(kernel: str, call: Call, after: lower.After) -> jax.Array:
                     out = on_mesh(kernels.get(kernel).run, call, mesh)
@@ -192,7 +203,7 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
                     def slow():
                         return own(values)
                 else:
-                    exact, exact_after = lower.operands(form.fallback, site, values)
+                    exact, exact_after = lower.operands(form.fallback, site, values, direct)
 
                     def slow():
                         return attend("chunked", exact, exact_after)

@@ -69,6 +69,9 @@ class AttentionSite:
     post_mask: bool = False
     # `softmax(...) * (keep / keep_prob)`, keep a random boolean mask (dropout in training).
     dropout: bool = False
+    # A constant the probabilities are multiplied by after the softmax, which the output
+    # takes instead (Keras' dropout: `where(keep, p / keep_prob, 0)`); None without one.
+    out_scale: float | None = None
     # An extra logit per row in the softmax, with no value (attention sinks, GPT-OSS).
     sinks: bool = False
     # A sliding window read from the mask's structure: query i sees keys i - left .. i +
@@ -112,6 +115,8 @@ class AttentionSite:
             out.append("post-softmax mask")
         if self.dropout:
             out.append("dropout")
+        if self.out_scale is not None:
+            out.append(f"output scale {self.out_scale:g}")
         if self.multiplier_shape is not None:
             out.append("head mask")
         return tuple(out)

@@ -93,11 +93,14 @@ SOFTMAX = Alt(
 
 # After the softmax: layout ops, multiplications by values constant along the keys (a
 # head mask, `einsum("...hqk,h->...hqk", p, head_mask)` included: the front ends read a dot
-# that contracts nothing as the product it is), `where(mask, p, 0)` (Keras' masked softmax)
-# and the slice dropping a sink column. A factor commutes with the value dot, so the
-# kernel's output takes it; `describe` checks it does not vary along the keys.
+# that contracts nothing as the product it is) or by dropout's keep / keep_prob, divisions
+# by a constant (Keras' dropout: `where(keep, p / keep_prob, 0)`), `where(mask, p, 0)`
+# (Keras' masked softmax) and the slice dropping a sink column. A factor constant along the
+# keys commutes with the value dot, so the kernel's output takes it; `describe` checks it
+# does not vary along them.
 PROBS = Chain(SOFTMAX,
               Step("post", "mul", chain_at=(0, 1), sides=(Any(),)),
+              Step("post", "div", chain_at=(0,), sides=(Const(lambda v: v != 0),)),
               Step("post_mask", "select", chain_at=(1, 2),
                    sides=(Any(), Const(lambda v: v == 0))),
               Step("drop_sinks", "slice", chain_at=(0,), sides=()),
@@ -226,6 +229,9 @@ class Match:
     body: tuple[Node, ...]  # every node computing the site from q/k/v/masks to `out`
     internals: dict[str, Node]  # scores, logits, row_max, exp, row_sum, probs
     region: tuple = ()  # the matched graph's path (jaxpr body path, HLO computation name)
+    # The product of the constants the probabilities are multiplied (or divided) by, which
+    # the output takes instead: dropout's 1 / keep_prob where Keras divides p by it.
+    out_factor: float = 1.0
 
 
 def find(graph: Graph, function: str = "") -> list[Match]:
@@ -468,7 +474,7 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
                 steps.append(LogitStep(link.kind, node.dtype, term=term))
         elif node.op in ("convert", "reduce_precision"):
             steps.append(LogitStep("cast", node.dtype))
-    multipliers = []
+    multipliers, out_factor = [], 1.0
     sinks = next((t for t in beside if t.kind == "sinks"), None)
     dropped = False
     for at, link in reversed(list(enumerate(probs_links))):
@@ -496,10 +502,14 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         if _depends_on(factor, scores, position):
             raise _Reject("the probabilities are multiplied by a value computed from them")
         constant = uniform_value(factor)
-        if constant == 1.0:
-            continue  # an all-ones head mask: the identity
         if constant is not None:
-            raise _Reject("a scale after the softmax (the probabilities no longer sum to 1)")
+            if link.node.op == "div":
+                constant = 1.0 / constant
+            if not (math.isfinite(constant) and constant != 0.0):
+                raise _Reject(f"a scale by {constant:g} after the softmax (the output is not "
+                              "the probabilities' weighted values scaled by it)")
+            out_factor *= constant  # an all-ones head mask: the identity
+            continue
         labels_here = _follow(probs_links[at + 1:], logits_labels)
         shape = _broadcast_shape(factor, len(link.node.shape))
         if any(key_token in labels_here[a] and n != 1 for a, n in enumerate(shape)):
@@ -563,6 +573,7 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         multiplier_shape=multipliers[0].shape if multipliers else None,
         softcap=chain.softcap, post_mask=any(t.kind == "post" for t in beside),
         dropout=any(t.kind == "dropout" for t in beside),
+        out_scale=None if out_factor == 1.0 else out_factor,
         sinks=sinks is not None, window=window,
         segments=any(t.kind == "segment_q" for t in masks),
         q_shape=q_entry.shape, k_shape=k_entry.shape, v_shape=v_entry.shape,
@@ -580,7 +591,7 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         v=Operand(v_entry, v_layout),
         out=out, out_layout=out_layout, scale=scale, masks=tuple(masks), steps=tuple(steps),
         logits=chain, multipliers=tuple(multipliers), body=_body(out, stops),
-        internals=internals,
+        internals=internals, out_factor=out_factor,
     )
 
 

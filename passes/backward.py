@@ -61,11 +61,20 @@ class Backward:
         return self.forward | self.backward
 
 
-def differentiated(inputs: Sequence[Any], site: JaxprSite) -> Iterator[tuple[int, ...]]:
+def differentiated(inputs: Sequence[Any], site: JaxprSite, jaxpr: jaxcompat.Jaxpr
+                   ) -> Iterator[tuple[int, ...]]:
     """Candidate sets of inputs the program differentiates, most likely first: every float
-    input, then q, k and v with or without the rest, then smaller subsets of q, k, v."""
+    input, then q, k and v with or without the rest, then smaller subsets of q, k, v.
+
+    Only inputs the site's equations read count. A bias, sink or head-mask operand the
+    program broadcast before the site (`MaskVar.var`, the kernel's compact operand) is not
+    read by them: the program's transpose of the broadcast turns the cotangent of what the
+    site reads (`MaskVar.direct`) into its own, and a replacement differentiated this way
+    reads the operand from `direct` (`lower.operands`)."""
+    read = {v for i in site.eqns for v in jaxpr.eqns[i].invars
+            if not isinstance(v, jaxcompat.Literal)}
     floating = [i for i, v in enumerate(inputs)
-                if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+                if jnp.issubdtype(v.aval.dtype, jnp.inexact) and v in read]
     qkv = [inputs.index(o.var) for o in (site.q, site.k, site.v)
            if o.var in inputs and inputs.index(o.var) in floating]
     qkv = list(dict.fromkeys(qkv))
@@ -135,7 +144,7 @@ def find_backward(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[Any]
     of them (`rewrite.site_equations`)."""
     program = _Program(jaxpr)
     failures = []
-    for wrt in differentiated(inputs, site):
+    for wrt in differentiated(inputs, site, jaxpr):
         try:
             body = _matched_reference(own, inputs, site.out.aval, wrt, site.manual,
                                       with_output=True)
@@ -227,7 +236,7 @@ def _recompute(jaxpr: jaxcompat.Jaxpr, eqn: jaxcompat.JaxprEqn, body: jaxcompat.
             passed.setdefault(outer, inner)
     same = _SameValue(jaxpr, eqn, body)
     failures = []
-    for wrt in differentiated(inputs, site):
+    for wrt in differentiated(inputs, site, jaxpr):
         try:
             grads_only = _matched_reference(own, inputs, site.out.aval, wrt, site.manual,
                                             with_output=False)

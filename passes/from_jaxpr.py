@@ -304,7 +304,9 @@ class MaskVar:
         scores; `key_lengths` is set when the mask is iota(Lk) < lengths[..., None].
     `var` is the earliest variable visible at the site's level from which the mask is
     reached through layout ops only; `replay` holds those ops (broadcasts, reshapes,
-    transposes, casts).
+    transposes, casts). `direct` is the variable the site's equation reads (the operand as
+    the program broadcast it; `var` itself where nothing was replayed): a train step's
+    derivative of the site is taken with respect to it.
     """
 
     kind: str
@@ -316,6 +318,7 @@ class MaskVar:
     fill: float | None = None
     keep_when: bool = True
     key_lengths: Any | None = None
+    direct: Any | None = None
 
 
 def _visible(node: Node | None, level: Path) -> tuple[Any | None, tuple[Node, ...]]:
@@ -415,6 +418,9 @@ def _to_jaxpr_site(closed: jaxcompat.ClosedJaxpr, match: Match,
     def var(node: Node | None) -> Any | None:
         return node.ref.var_at(level) if node is not None else None
 
+    def direct(node: Node | None) -> Any | None:  # None for a node the pattern made itself
+        return var(node) if node is not None and isinstance(node.ref, JaxprRef) else None
+
     out = var(match.out)
     defined = {v for i in eqns for v in jaxpr.eqns[i].outvars} - {out}
     if level not in readers:
@@ -422,12 +428,11 @@ def _to_jaxpr_site(closed: jaxcompat.ClosedJaxpr, match: Match,
     escaping = {v for v in defined if readers[level].get(v, set()) - eqns}
     masks = tuple(
         MaskVar(t.kind, *_visible(t.operand, level), t.scores_layout.shape, t.scores_layout,
-                t.sign,
-                t.fill, t.keep_when, var(t.key_lengths))
+                t.sign, t.fill, t.keep_when, var(t.key_lengths), direct=direct(t.operand))
         for t in match.masks)
     multipliers = tuple(
         MaskVar("multiplier", *_visible(t.operand, level), t.scores_layout.shape,
-                t.scores_layout)
+                t.scores_layout, direct=direct(t.operand))
         for t in match.multipliers)
     return JaxprSite(
         site=match.site, path=level, eqns=tuple(sorted(eqns)),

@@ -67,6 +67,7 @@ class KernelForm:
     softcap: float | None = None
     post_masks: tuple[MaskVar, ...] = ()
     sinks: MaskVar | None = None
+    out_factor: float = 1.0  # a constant the output is multiplied by (`Match.out_factor`)
     window: tuple[int | None, int | None] | None = None
     segments: tuple[MaskVar, MaskVar] | None = None  # (q ids, kv ids) of packed sequences
     # Biases read as masks (`Logits.checks`): (F, the add's dtype, |C| before it), and the
@@ -101,6 +102,7 @@ class KernelForm:
                     tuple((n.op, n.shape, n.dtype, repr(sorted(n.params.items())))
                           for n in m.replay))
         return (self.scale, self.causal, self.window, self.fill, self.nan_rows, self.softcap,
+                self.out_factor,
                 tuple((var_free(m), mult) for m, mult in self.biases),
                 tuple(var_free(m) for m in self.masks),
                 tuple(var_free(m) for m in self.multipliers),
@@ -146,7 +148,8 @@ def _form(site: JaxprSite, chain) -> KernelForm:
                       window=chain.window, segments=segments[:2] or None,
                       multipliers=site.multipliers, softcap=chain.softcap,
                       post_masks=tuple(m for m in site.masks if m.kind in ("post", "dropout")),
-                      sinks=next((m for m in site.masks if m.kind == "sinks"), None))
+                      sinks=next((m for m in site.masks if m.kind == "sinks"), None),
+                      out_factor=site.match.out_factor)
     for m in (*(b for b, _ in form.biases), *form.operand_masks):
         if m.var is None:
             raise RewriteError(f"the {m.kind} operand is computed inside a call the site only "
@@ -184,21 +187,31 @@ class After:
     factors: tuple[jax.Array, ...] = ()
 
 
-def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array]
-             ) -> tuple[Call, After]:
+def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array],
+             direct: bool = False) -> tuple[Call, After]:
     """The kernel call for `site` given the values it reads, and what `restore` applies to
-    its output."""
+    its output.
+
+    direct: read the float operands (biases, sinks, head masks) from what the site's
+    equations read (`MaskVar.direct`), not from the program's operand before its broadcast:
+    the same values, but a derivative of the call with respect to the site's own inputs
+    (a train step's, `backward.differentiated`) then reaches them."""
+    def operand(m: MaskVar) -> jax.Array:
+        if direct and m.direct is not None and m.direct is not m.var:
+            return scores_operand(m, values[m.var], values[m.direct])
+        return scores_operand(m, values[m.var])
+
     q = site.q.layout.to_canonical(values[site.q.var])
     k = site.k.layout.to_canonical(values[site.k.var]).astype(q.dtype)
     v = site.v.layout.to_canonical(values[site.v.var]).astype(q.dtype)
     bias = mask = None
     for m, mult in form.biases:
-        x = scores_operand(m, values[m.var]).astype(jnp.float32) * mult
+        x = operand(m).astype(jnp.float32) * mult
         bias = x if bias is None else bias + x
     mask = _all_of(form.masks, values)
     post = _all_of(tuple(m for m in form.post_masks if m.kind == "post"), values)
     weights = _post_weights(form.post_masks, post, values)
-    sinks = None if form.sinks is None else scores_operand(form.sinks, values[form.sinks.var])
+    sinks = None if form.sinks is None else operand(form.sinks)
     # A head mask multiplies the output: in f32, so that its gradient (a sum of dO·out over
     # B·Lq·Dv terms) is not computed from an output already rounded to bf16 or f16.
     segment_ids = None
@@ -210,8 +223,11 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array]
     call = make_call(q, k, v, scale=form.scale, bias=bias, mask=mask, causal=form.causal,
                      window=form.window, segment_ids=segment_ids, fill=form.fill, softcap=form.softcap, post_mask=weights,
                      sinks=None if sinks is None else sinks.astype(jnp.float32),
-                     out_dtype="float32" if form.multipliers else None)
-    factors = tuple(scores_operand(m, values[m.var]) for m in form.multipliers)
+                     out_dtype="float32" if form.multipliers or form.out_factor != 1.0
+                     else None)
+    factors = tuple(operand(m) for m in form.multipliers)
+    if form.out_factor != 1.0:
+        factors += (jnp.full((1, 1, 1, 1), form.out_factor, jnp.float32),)
     if not form.nan_rows:
         return call, After(factors=factors)
     live = visible_keys(call)
@@ -264,10 +280,13 @@ _COMPARE = {"eq": jnp.equal, "ne": jnp.not_equal, "lt": jnp.less, "le": jnp.less
             "gt": jnp.greater, "ge": jnp.greater_equal}
 
 
-def scores_operand(m: MaskVar, x: jax.Array) -> jax.Array:
+def scores_operand(m: MaskVar, x: jax.Array, direct: jax.Array | None = None) -> jax.Array:
     """A mask or bias operand `x` (the value of `m.var`) as a 4-D [B, Hq, Lq, Lk] operand with
     1 on every axis the program broadcast: `m.replay` is redone without materializing the
-    broadcasts, then `m.scores_layout` maps it to canonical axes."""
+    broadcasts, then `m.scores_layout` maps it to canonical axes.
+
+    direct: the value of `m.direct` (the replay's result, broadcasts materialized); the
+    operand is then its first element along each broadcast axis, the same values."""
     for node in m.replay:
         if node.op == "broadcast":
             compact = [1] * len(node.shape)
@@ -282,6 +301,8 @@ def scores_operand(m: MaskVar, x: jax.Array) -> jax.Array:
             x = _COMPARE[node.params["direction"]](x, uniform_value(node.inputs[1]))
         else:
             x = x.astype(node.dtype)
+    if direct is not None:
+        x = jax.lax.slice(direct, (0,) * direct.ndim, x.shape)
     rank = len(m.at_shape)
     if x.ndim < rank:
         x = x.reshape((1,) * (rank - x.ndim) + tuple(x.shape))

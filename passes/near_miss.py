@@ -10,7 +10,8 @@ detected site. Like XLA's `explain_os`, each says why, in user terms:
 Scores side (exp's input down to the first dot): the pattern's vocabulary is layout ops,
 scale, bias, mask, tanh and concatenate steps and the row max; the first op outside it is the
 reason. Probability side (exp up to the dot that reads it): layout ops, the normalization by
-exp's own sum, `where(m, p, 0)`, dropout's `p * (keep / keep_prob)` and slices.
+exp's own sum, `where(m, p, 0)`, dropout's `p * (keep / keep_prob)`, constant factors and
+slices.
 When both sides are clean, the pattern's own shape checks (`attention.rejection`) say why.
 """
 
@@ -144,8 +145,10 @@ def _normalizes(user: Node, prev: Node, sums: set[int], users) -> bool:
         return True
     if user.op in ("div", "mul") and len(user.inputs) == 2:
         other = user.inputs[1] if user.inputs[0] is prev else user.inputs[0]
-        # Dropout's keep / keep_prob is part of a site: what blocks is further on.
-        return _derives_from(other, sums) or (user.op == "mul" and from_bits(other))
+        # Dropout's keep / keep_prob and constant factors are part of a site (the pattern
+        # says which constants it refuses): what blocks is further on.
+        return (_derives_from(other, sums) or (user.op == "mul" and from_bits(other))
+                or uniform_value(other) is not None)
     return False
 
 
@@ -154,8 +157,6 @@ def _probs_blocker(user: Node, prev: Node) -> str:
         return "a where() after the softmax that does not zero what it drops"
     if user.op in ("mul", "div") and len(user.inputs) == 2:
         other = user.inputs[1] if user.inputs[0] is prev else user.inputs[0]
-        if uniform_value(other) is not None:
-            return "a scale after the softmax (the probabilities no longer sum to 1)"
         if _derives_from_random(other):
             return "random values multiply the probabilities (not dropout's keep / keep_prob)"
         return ("the probabilities are multiplied by a tensor after the softmax (a head mask "

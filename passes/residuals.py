@@ -14,6 +14,11 @@ same values from the same inputs; afterwards the forward loop's site keeps nothi
 backward, and the backward loop's site stands beside its derivative, where the rewrite
 pass matches it (`passes.backward.find_backward`).
 
+A dropout multiplier the forward body draws from a key is recomputed with the site from
+the key rather than saved (`_pulled`): the backward loop then reads the bits it is made of,
+as the forward loop does, so its site is detected with its dropout, and no [n, B, H, Lq, Lk]
+multiplier is kept.
+
 It leaves a loop pair as it is unless every intermediate the site lets out is a stacked
 output of its forward loop read only by one other loop as a scanned operand.
 """
@@ -21,6 +26,7 @@ output of its forward loop read only by one other loop as a scanned operand.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax
@@ -38,15 +44,18 @@ RECOMPUTED = "hlotool_recompute"
 
 @dataclasses.dataclass(frozen=True)
 class _Moved:
-    """What moves of one site: its equations and those of the forward body that read its
+    """What moves of one site: its equations, those of the forward body that read its
     intermediates (jax puts there the part of the derivative it can compute early, such as
-    1/sum² of the softmax), in body order; what they read; every value they define that the
-    body returns (stacked per iteration, for the backward loop)."""
+    1/sum² of the softmax) and those drawing its dropout multiplier (`_pulled`), in body order;
+    what they read; every intermediate they define that the body returns (stacked per
+    iteration, for the backward loop); and the producers' values the body returns, which
+    the backward loop may read recomputed instead."""
 
     site: JaxprSite
     eqns: tuple[int, ...]
     inputs: tuple
     leaving: frozenset
+    recomputable: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,23 +127,99 @@ def _moved(loop: jaxcompat.JaxprEqn, site: JaxprSite) -> _Moved | None:
     if groups is None:
         return None
     body = loop.params["jaxpr"].jaxpr
+    site_inputs = free_inputs(body, site)
+    pulled = _pulled(body, site_inputs, groups)
     own, later, tainted = set(site.eqns), [], set(site.escaping)
     for i, eqn in enumerate(body.eqns):
         if i not in own and _vars(eqn.invars) & tainted:
             later.append(i)
             tainted |= set(eqn.outvars)
-    eqns = sorted(own | set(later))
+    eqns = sorted(own | pulled | set(later))
     if any(body.eqns[i].effects for i in eqns) or tainted & _vars(body.outvars[:groups[1]]) \
             or any(_vars(body.eqns[i].invars) & tainted - site.escaping for i in own):
         return None
-    inputs, defined = list(free_inputs(body, site)), set()
+    defined = {v for i in pulled for v in body.eqns[i].outvars}
+    inputs = [v for v in site_inputs if v not in defined]
     for i in eqns:
         for v in body.eqns[i].invars:
             if not isinstance(v, jaxcompat.Literal) and v not in defined and v not in inputs:
                 inputs.append(v)
         defined |= set(body.eqns[i].outvars)
     leaving = frozenset(tainted & _vars(body.outvars))
-    return _Moved(site, tuple(eqns), tuple(inputs), leaving)
+    recomputable = frozenset(
+        {v for i in pulled for v in body.eqns[i].outvars} & _vars(body.outvars[groups[1]:]))
+    return _Moved(site, tuple(eqns), tuple(inputs), leaving, recomputable - leaving)
+
+
+# What the backward loop cannot recompute cheaply: contractions (the work a flash kernel
+# saves q, k, v to avoid redoing elsewhere) and anything with a body of its own to run.
+_COSTLY = frozenset({"dot_general", "conv_general_dilated", "scan", "while", "cond",
+                     "custom_vjp_call", "custom_vjp_call_jaxpr"})
+# Where a key's bits are drawn (a dropout multiplier is made from them).
+_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator"})
+
+
+def _primitives(eqn: jaxcompat.JaxprEqn) -> set[str]:
+    """The primitives `eqn` runs, its own and those of the bodies it holds."""
+    names = {eqn.primitive.name}
+    for jaxpr in jaxcompat.jaxprs_in_params(eqn.params):
+        for inner in jaxpr.eqns:
+            names |= _primitives(inner)
+    return names
+
+
+def _nbytes(v) -> int:
+    return math.prod(v.aval.shape) * getattr(v.aval.dtype, "itemsize", 8)
+
+
+def _pulled(body: jaxcompat.Jaxpr, inputs: Sequence, groups: tuple[int, int, int]) -> set[int]:
+    """Indices of the forward body's equations that make a dropout multiplier the site
+    reads, to recompute with it: the cheap equations (no contraction, loop or effect) from
+    what the backward loop has anyway (the loop's invariant and scanned operands, the
+    key's slice among them) to the multiplier, where what they read is smaller than what
+    they make. Pure equations recomputed from the same operands give the same values, a
+    key's bits included.
+
+    Only a multiplier drawn from bits moves: its [B, H, Lq, Lk] saved for the backward is
+    what a flash kernel is for avoiding, and only from its bits is it detected as dropout
+    there. Other inputs keep their way to the backward loop (a mask's broadcast recomputed
+    there would show the backward match a second operand for it)."""
+    consts, carry, _ = groups
+    producer = {v: i for i, e in enumerate(body.eqns) for v in e.outvars}
+    given = {*body.constvars, *body.invars[:consts], *body.invars[consts + carry:]}
+    best: dict = {}  # var -> (bytes the backward must be handed to have it, recomputed?)
+
+    def cost(v) -> int:
+        if isinstance(v, jaxcompat.Literal) or v in given:
+            return 0
+        if v not in best:
+            i = producer.get(v)
+            best[v] = (_nbytes(v), False)
+            if i is not None and not (_primitives(body.eqns[i]) & _COSTLY) \
+                    and not body.eqns[i].effects:
+                via = sum(cost(u) for u in body.eqns[i].invars)
+                if via < best[v][0]:
+                    best[v] = (via, True)
+        return best[v][0]
+
+    def cone(v) -> set[int]:
+        found, pending = set(), [v]
+        while pending:
+            u = pending.pop()
+            if isinstance(u, jaxcompat.Literal):
+                continue
+            cost(u)
+            if u in best and best[u][1] and producer[u] not in found:
+                found.add(producer[u])
+                pending.extend(body.eqns[producer[u]].invars)
+        return found
+
+    pulled: set[int] = set()
+    for v in inputs:
+        eqns = cone(v)
+        if any(_primitives(body.eqns[i]) & _RANDOM for i in eqns):
+            pulled |= eqns
+    return pulled
 
 
 def _reader(jaxpr: jaxcompat.Jaxpr, forward: int, leaving: frozenset) -> int | None:
@@ -179,7 +264,13 @@ def _recompute(closed: jaxcompat.ClosedJaxpr, loops: _Loops) -> jaxcompat.Closed
     # Forward body outputs no longer returned, and what the backward body reads in their
     # place: for each of its operands at such an output, the intermediate it held.
     leaving = frozenset().union(*(m.leaving for m in loops.moved))
-    dropped = {p for p, v in enumerate(f_body.jaxpr.outvars) if v in leaving}
+    recomputable = frozenset().union(*(m.recomputable for m in loops.moved))
+    # A recomputed producer's value stops being saved where only the backward loop's
+    # scanned operands read it.
+    read_elsewhere = _vars([*jaxpr.outvars, *bwd.invars[:b_consts + b_carry], *(
+        u for n, e in enumerate(jaxpr.eqns) if n != loops.backward for u in e.invars)])
+    dropped = {p for p, v in enumerate(f_body.jaxpr.outvars) if v in leaving or (
+        p >= f_carry and v in recomputable and fwd.outvars[p] not in read_elsewhere)}
     stacked = {fwd.outvars[p]: f_body.jaxpr.outvars[p] for p in dropped}
     held = {q: stacked[v] for q, v in enumerate(bwd.invars) if v in stacked}
     # The moved equations' inputs, as the backward loop reads them: the forward loop's own
@@ -204,7 +295,8 @@ def _recompute(closed: jaxcompat.ClosedJaxpr, loops: _Loops) -> jaxcompat.Closed
                 sliced.append(v)
             elif v not in invariant and v not in own_consts and v not in scanned:
                 extra.append(v)
-        wanted = [*dict.fromkeys(v for v in held.values() if v in m.leaving), m.site.out]
+        wanted = [*dict.fromkeys(v for v in held.values()
+                                 if v in m.leaving or v in m.recomputable), m.site.out]
         recomputes.append((m.inputs, f_body.jaxpr.replace(
             constvars=[], invars=list(m.inputs), outvars=wanted,
             eqns=[f_body.jaxpr.eqns[i] for i in m.eqns])))

@@ -255,6 +255,9 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
     if p.sinks:
         extra.append(("sinks", -2, len(args)))
         args.append(jnp.asarray(jnp.asarray(rng.standard_normal(p.hq) * 2.0, dt), ct))
+    if p.dropout:  # the key an argument, so that a scan over layers scans it (`over_layers`)
+        extra.append(("key", -4, len(args)))
+        args.append(jax.random.PRNGKey(p.seed))
     first_mask = next((i for kind, at, i in extra if kind == "mask"
                        and not p.steps[at].mask.startswith("segments")), None)
     if p.post_mask in ("data", "mirrored") or (p.post_mask == "same" and first_mask is None):
@@ -327,7 +330,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
         if p.sinks:
             w = w[..., :-1]
         if p.dropout:
-            keep = jax.random.bernoulli(jax.random.PRNGKey(p.seed), 0.8, w.shape)
+            keep = jax.random.bernoulli(ops[operand[-4] - 3], 0.8, w.shape)
             w = w * (keep.astype(w.dtype) / jnp.asarray(0.8, w.dtype))
         if p.post_mask:
             m = ops[operand[-3] - 3]
@@ -465,11 +468,16 @@ def data_parallel(step, args):
 def over_layers(fn):
     """`fn` as the body of a two-step `lax.scan` without jax.checkpoint, as a scan over
     layers: its gradient is a forward loop that saves residuals and a backward loop that
-    reads them. The second step reads q, k and v reversed along the sequence, so a
-    recompute that read the other step's inputs would differ; the output is the steps'
-    mean."""
+    reads them. The second step reads q, k and v reversed along the sequence, and another
+    dropout key, so a recompute that read the other step's inputs would differ; the output
+    is the steps' mean."""
+    def other(i, a):
+        if i < 3:
+            return jnp.flip(a, 1)
+        return a + 1 if a.dtype == jnp.uint32 else a
+
     def scanned(*args):
-        xs = [jnp.stack([a, jnp.flip(a, 1) if i < 3 else a]) for i, a in enumerate(args)]
+        xs = [jnp.stack([a, other(i, a)]) for i, a in enumerate(args)]
         _, ys = jax.lax.scan(lambda carry, x: (carry, fn(*x)), None, xs)
         return ((ys[0] + ys[1]) / 2).astype(ys.dtype)
     return scanned

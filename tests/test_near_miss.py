@@ -73,8 +73,8 @@ def softmax_over_queries(q, k, v, m):
     return values(jax.nn.softmax(scores(q, k), axis=-2), v)
 
 
-def scaled_probabilities(q, k, v, m):
-    return values(jax.nn.softmax(scores(q, k)) * 2.0, v)
+def zeroed_probabilities(q, k, v, m):
+    return values(jax.nn.softmax(scores(q, k)) * 0.0, v)
 
 
 def data_fill(q, k, v, m):
@@ -92,7 +92,8 @@ CASES = [
     (shift_by_a_column_max, "the logits are shifted by a max over other axes than the keys"),
     (softmax_over_queries, "the second dot does not contract the key axis the softmax runs "
                            "over"),
-    (scaled_probabilities, "a scale after the softmax (the probabilities no longer sum to 1)"),
+    (zeroed_probabilities, "a scale by 0 after the softmax (the output is not the "
+                           "probabilities' weighted values scaled by it)"),
     (data_fill, "a where() between the scores and the softmax whose fill is not a constant"),
 ]
 
@@ -111,14 +112,16 @@ def test_each_near_miss_names_the_first_rule_it_breaks(fn, reason):
     assert miss.reason == reason
 
 
-def test_dropout_is_part_of_a_site_and_a_scale_after_it_is_the_near_miss():
-    """`p * keep / 0.9`: the multiplication by the keep mask is dropout, which a site takes
-    (HF and flax write `p * (keep / keep_prob)`); the division after it is what blocks."""
-    why = "a scale after the softmax (the probabilities no longer sum to 1)"
-    (miss,) = near_misses_jaxpr(jax.make_jaxpr(dropout)(Q, Q, Q, MASK))
-    assert miss.reason == why
-    (miss,) = near_misses_hlo(jax.jit(dropout).lower(Q, Q, Q, MASK).as_text(dialect="hlo"))
-    assert miss.reason == why
+def test_dropout_then_a_constant_scale_is_a_site_whose_output_takes_the_scale():
+    """`p * keep / 0.9`: the multiplication by the keep mask is dropout, and the division by
+    a constant after it is a factor the kernel's output takes (HF and flax write
+    `p * (keep / keep_prob)`, Keras `where(keep, p / keep_prob, 0)`)."""
+    closed = jax.make_jaxpr(dropout)(Q, Q, Q, MASK)
+    (site,) = detect_jaxpr(closed)
+    assert site.site.dropout and site.site.out_scale == pytest.approx(1 / 0.9)
+    assert near_misses_jaxpr(closed) == []
+    (from_hlo,) = detect_hlo(jax.jit(dropout).lower(Q, Q, Q, MASK).as_text(dialect="hlo"))
+    assert from_hlo.dropout and from_hlo.out_scale == pytest.approx(1 / 0.9)
 
 
 def dropout_as_flax_writes_it(q, k, v, m):

@@ -168,13 +168,14 @@ def test_example_causal_decoder_train_step():
     assert relative_error(got, m.train_step(params, tokens, 2)) < 1e-5
 
 
-def test_keras_stateless_call():
-    """Keras 3 on the JAX backend: `model.stateless_call` under `jax.value_and_grad`, the
-    step Keras' JAX trainer writes, through `layers.MultiHeadAttention` with a causal mask."""
+def keras_attention_step(**attention):
+    """A Keras 3 train step on the JAX backend: `model.stateless_call` under
+    `jax.value_and_grad`, the step Keras' JAX trainer writes, through
+    `layers.MultiHeadAttention(**attention)` with a causal mask; (step, args)."""
     import keras
 
     inputs = keras.Input((L, E))
-    y = keras.layers.MultiHeadAttention(num_heads=H, key_dim=D, seed=0)(
+    y = keras.layers.MultiHeadAttention(num_heads=H, key_dim=D, seed=0, **attention)(
         inputs, inputs, use_causal_mask=True)
     model = keras.Model(inputs, keras.layers.Dense(E)(y))
     trainable = [v.value for v in model.trainable_variables]
@@ -183,9 +184,47 @@ def test_keras_stateless_call():
     def forward(trainable, others, x):
         return model.stateless_call(trainable, others, x, training=True)[0]
 
-    report = hlotool.explain(value_and_grad_step(forward), trainable, others, X)
+    return value_and_grad_step(forward), (trainable, others, X)
+
+
+def test_keras_stateless_call():
+    step, args = keras_attention_step()
+    report = hlotool.explain(step, *args)
     assert report.sites[0].site.mask == "causal", str(report)
-    check_step(value_and_grad_step(forward), (trainable, others, X), sites=1)
+    check_step(step, args, sites=1)
+
+
+def test_learned_position_bias_gets_its_gradient_through_the_kernel():
+    """T5's relative position bias: a learned [H, L, L] parameter broadcast over the batch
+    and added to the scores. The kernel reads the bias the site adds (the broadcast), so the
+    program's own transpose of the broadcast sums the kernel's dbias into the parameter's
+    gradient."""
+    def t5_layer(params, x):
+        length = x.shape[1]
+        q, k, v = jnp.split((x @ params["w"]).reshape(B, length, 3 * H, D), 3, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) + params["relative"][None]  # T5: no scale
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+        return o.reshape(B, length, E)
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((E, 3 * E)) / 4, jnp.float32),
+              "relative": jnp.asarray(rng.standard_normal((H, L, L)), jnp.float32)}
+    check_step(value_and_grad_step(t5_layer), (params, X), sites=1)
+
+
+def test_keras_attention_dropout_in_training():
+    """Keras' dropout on the probabilities (`where(keep, p / keep_prob, 0)`, its keep mask
+    drawn from the seed generator's state): the mask is a post-softmax mask and 1 /
+    keep_prob a factor the kernel's output takes. No TPU Pallas kernel takes a mask after
+    the softmax, so the chunked kernel runs there too."""
+    step, args = keras_attention_step(dropout=0.1)
+    report = hlotool.explain(step, *args)
+    (site,) = report.sites
+    assert site.rewritten and site.kernels["cpu"] == "chunked", str(report)
+    assert site.site.post_mask and site.site.out_scale == pytest.approx(1 / 0.9)
+    fast = hlotool.flash_jit(step)
+    assert relative_error(fast(*args), jax.jit(step)(*args)) < 1e-5
+    assert detect_jaxpr(fast.trace(*args).jaxpr) == []
 
 
 def test_flax_linen_bfloat16():
@@ -353,23 +392,29 @@ def test_a_checkpointed_body_computing_something_else_stays_native():
 # lax.scan over layers
 
 
-def scanned_layers(remat: bool):
+def scanned_layers(remat: bool, dropout: bool = False):
     """value_and_grad of a scan over 3 causal layers (the loop's fill and mask reach its
     body as loop-invariant operands), optionally each layer under jax.checkpoint, as
-    flax's nn.scan(nn.remat(Block)) and maxtext write it."""
-    def layer(x, w):
+    flax's nn.scan(nn.remat(Block)) and maxtext write it; with `dropout`, flax's attention
+    dropout on the probabilities, each layer drawing from its own key (scanned with its
+    weights)."""
+    def layer(x, w, key):
         length = x.shape[1]
         q, k, v = jnp.split((x @ w[0]).reshape(B, length, 3 * H, D), 3, axis=2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
         s = jnp.where(jnp.tril(jnp.ones((length, length), bool)), s, -jnp.inf)
-        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(
-            B, length, E)
+        p = jax.nn.softmax(s, axis=-1)
+        if dropout:
+            keep = jax.random.bernoulli(key, 0.9, p.shape)
+            p = p * (keep.astype(p.dtype) / jnp.asarray(0.9, p.dtype))
+        o = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(B, length, E)
         return x + jnp.tanh(o @ w[1][:, :E])
 
     body = jax.checkpoint(layer) if remat else layer
 
     def loss(ws, x):
-        y, _ = jax.lax.scan(lambda x, w: (body(x, w), None), x, ws)
+        keys = jax.random.split(jax.random.key(7), ws.shape[0])
+        y, _ = jax.lax.scan(lambda x, wk: (body(x, *wk), None), x, (ws, keys))
         return jnp.mean(jnp.sin(y))
 
     ws = jnp.asarray(np.random.default_rng(0).standard_normal((3, 2, E, 3 * E)) / 4,
@@ -403,13 +448,17 @@ def test_scan_over_checkpointed_layers_is_read_at_any_length():
         str(report)
 
 
-def test_scan_over_layers_without_checkpoint_recomputes_in_the_backward_loop():
+@pytest.mark.parametrize("dropout", [False, True])
+def test_scan_over_layers_without_checkpoint_recomputes_in_the_backward_loop(dropout):
     """Without jax.checkpoint the forward loop saves the probabilities ([n, B, H, L, L]) for
-    the backward loop. The rewrite saves q, k, v instead and recomputes the site in the
-    backward loop, as jax.checkpoint would, then matches its derivative there: both loops
-    hold kernels, no [L, L] value crosses between them, and the gradients are the program's."""
-    step, args = scanned_layers(remat=False)
+    the backward loop, and with dropout its multiplier too. The rewrite saves q, k, v
+    instead and recomputes the site in the backward loop, as jax.checkpoint would, the
+    multiplier from the layer's key: it then matches the site's derivative there, dropout
+    included. Both loops hold kernels, no [L, L] value crosses between them, and the
+    gradients are the program's."""
+    step, args = scanned_layers(remat=False, dropout=dropout)
     report = hlotool.explain(step, *args)
+    assert [s.site.dropout for s in report.sites] == [dropout, dropout], str(report)
     assert [(s.where, s.rewritten) for s in report.sites] == [
         ("scan.jaxpr", True), ("scan.jaxpr", True)], str(report)
     assert "recomputed in the backward loop" in report.sites[1].reason
@@ -426,5 +475,9 @@ def test_scan_over_layers_without_checkpoint_recomputes_in_the_backward_loop():
 
     assert saved_scores(jax.make_jaxpr(step)(*args).jaxpr)  # what the native program keeps
     assert saved_scores(traced) == []
+    if dropout:  # no TPU Pallas kernel draws dropout: the chunked kernel runs there
+        assert all("chunked for tpu (splash_tpu skipped: dropout" in s.reason
+                   for s in report.sites), str(report)
+        return
     # The forward loop's kernel; in the backward loop's body: forward again, dq, dk/dv.
     assert tpu_custom_calls(step, *args) == 1 + TPU_CALLS_PER_SITE

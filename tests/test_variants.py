@@ -5,7 +5,8 @@ attention without a dense [B, H, L, L] operand or repeated K/V heads.
 The models are hand-written equivalents of their libraries' exact code (keras-hub pulls
 TensorFlow, too heavy for CI): Gemma 2's soft-capped, GQA attention (google-deepmind `gemma`),
 Keras' masked softmax (`layers.Softmax(mask)`: `where(mask, s, -1e9)`, softmax, then
-`where(mask, p, 0)`, as KerasHub Gemma calls it) and KerasHub GPT-OSS (a sliding window, sink
+`where(mask, p, 0)`, as KerasHub Gemma calls it), Keras' dropout after it in training
+(`where(keep, p / keep_prob, 0)`) and KerasHub GPT-OSS (a sliding window, sink
 logits concatenated as a column, the row-max shift, a float32 softmax, the sink column sliced
 off).
 """
@@ -57,6 +58,20 @@ def keras_masked_softmax(q, k, v, attn_mask, sinks):
     return jnp.einsum("bnts,bsnh->btnh", outputs.astype(v.dtype), v)
 
 
+def keras_dropout(q, k, v, attn_mask, sinks, rate=0.1):
+    """keras `Softmax()(scores, mask)` then keras' `Dropout(rate)` in training, as keras'
+    MultiHeadAttention applies it to the probabilities: `where(keep, p / keep_prob, 0)`."""
+    k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)
+    scores = jnp.einsum("btnh,bsnh->bnts", q * D ** -0.5, k)
+    mask = attn_mask[:, None, :, :]
+    outputs = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
+    outputs = jnp.where(mask, outputs, 0.0)
+    keep_prob = 1.0 - rate
+    keep = jax.random.bernoulli(jax.random.PRNGKey(0), p=keep_prob, shape=outputs.shape)
+    outputs = jax.lax.select(keep, outputs / keep_prob, jnp.zeros_like(outputs))
+    return jnp.einsum("bnts,bsnh->btnh", outputs.astype(v.dtype), v)
+
+
 def gpt_oss(q, k, v, attn_mask, sinks, window=64):
     """KerasHub `GptOssAttention._compute_attention` (a bidirectional sliding window)."""
     k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)
@@ -81,6 +96,7 @@ def gpt_oss(q, k, v, attn_mask, sinks, window=64):
 MODELS = [
     (gemma2, 50.0, False, False, "boolean"),
     (keras_masked_softmax, None, True, False, "boolean"),
+    (keras_dropout, None, True, False, "boolean"),
     (gpt_oss, None, False, True, "boolean"),
 ]
 IDS = [m[0].__name__ for m in MODELS]
@@ -110,6 +126,8 @@ def test_each_variant_is_one_site_with_its_features_in_both_front_ends(
     for s in (site.site, from_hlo):
         assert (s.softcap, s.post_mask, s.sinks, s.mask) == (softcap, post_mask, sinks, kind)
         assert (s.q_len, s.kv_len, s.num_q_heads, s.num_kv_heads) == (L, L, H, KV)
+        # Keras' dropout divides the probabilities by keep_prob: the output takes the factor.
+        assert s.out_scale == (pytest.approx(1 / 0.9) if model is keras_dropout else None)
     assert site.site.to_json()["softcap"] == softcap
 
 
