@@ -508,7 +508,7 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
             if not (math.isfinite(constant) and constant != 0.0):
                 raise _Reject(f"a scale by {constant:g} after the softmax (the output is not "
                               "the probabilities' weighted values scaled by it)")
-            out_factor *= constant  # an all-ones head mask: the identity
+            out_factor *= constant  # 1.0 (an all-ones head mask) leaves it as it is
             continue
         labels_here = _follow(probs_links[at + 1:], logits_labels)
         shape = _broadcast_shape(factor, len(link.node.shape))

@@ -29,6 +29,12 @@ LAYOUT_OPS = frozenset(
     {"convert", "copy", "stop_gradient", "reduce_precision", "broadcast", "reshape", "transpose"}
 )
 
+# Ops that draw random bits (jaxpr primitive names), and with them every op that draws or
+# handles a PRNG key, by its jaxpr or HLO name.
+RANDOM_BITS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator"})
+RANDOM_OPS = RANDOM_BITS | {"rng", "random_wrap", "random_unwrap", "rng-bit-generator",
+                            "rng-get-and-update-state"}
+
 # Refuse to constant-fold anything larger: masks are folded only to classify them.
 MAX_FOLD_ELEMENTS = 1 << 24
 

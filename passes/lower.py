@@ -212,8 +212,12 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array],
     post = _all_of(tuple(m for m in form.post_masks if m.kind == "post"), values)
     weights = _post_weights(form.post_masks, post, values)
     sinks = None if form.sinks is None else operand(form.sinks)
-    # A head mask multiplies the output: in f32, so that its gradient (a sum of dO·out over
-    # B·Lq·Dv terms) is not computed from an output already rounded to bf16 or f16.
+    # A head mask (or a constant) multiplies the output: in f32, so that its gradient (a sum
+    # of dO·out over B·Lq·Dv terms) is not computed from an output already rounded to bf16
+    # or f16.
+    factors = tuple(operand(m) for m in form.multipliers)
+    if form.out_factor != 1.0:
+        factors += (jnp.full((1, 1, 1, 1), form.out_factor, jnp.float32),)
     segment_ids = None
     if form.segments is not None:  # [B|1, 1, Lq, 1] and [B|1, 1, 1, Lk] as [B, L]
         b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
@@ -223,11 +227,7 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array],
     call = make_call(q, k, v, scale=form.scale, bias=bias, mask=mask, causal=form.causal,
                      window=form.window, segment_ids=segment_ids, fill=form.fill, softcap=form.softcap, post_mask=weights,
                      sinks=None if sinks is None else sinks.astype(jnp.float32),
-                     out_dtype="float32" if form.multipliers or form.out_factor != 1.0
-                     else None)
-    factors = tuple(operand(m) for m in form.multipliers)
-    if form.out_factor != 1.0:
-        factors += (jnp.full((1, 1, 1, 1), form.out_factor, jnp.float32),)
+                     out_dtype="float32" if factors else None)
     if not form.nan_rows:
         return call, After(factors=factors)
     live = visible_keys(call)

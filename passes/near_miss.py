@@ -22,15 +22,13 @@ from collections import defaultdict, deque
 from typing import Any, Sequence
 
 from hlotool.passes.attention import Match, from_bits, rejection
-from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, uniform_value
+from hlotool.passes.graph import LAYOUT_OPS, RANDOM_OPS, Graph, Node, uniform_value
 
 # Ops the logits chain may hold between the scores' dot and the exp.
 _CHAIN = LAYOUT_OPS | {"mul", "div", "add", "sub", "select", "max", "neg", "reduce_max", "tanh",
                        "concatenate"}
 # How far to look from an exp for the dots around it.
 _REACH = 40
-_RANDOM = {"random_bits", "rng_bit_generator", "rng", "threefry2x32", "random_wrap",
-           "random_unwrap", "rng-bit-generator", "rng-get-and-update-state"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +169,7 @@ def _derives_from_random(node: Node, depth: int = 12) -> bool:
         if id(n) in seen:
             continue
         seen.add(id(n))
-        if n.op in _RANDOM:
+        if n.op in RANDOM_OPS:
             return True
         if d < depth:
             stack.extend((i, d + 1) for i in n.inputs)

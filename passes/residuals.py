@@ -33,6 +33,7 @@ import jax
 
 from hlotool import jaxcompat
 from hlotool.passes import tracing
+from hlotool.passes.graph import RANDOM_BITS
 from hlotool.passes.rewrite import free_inputs
 from hlotool.passes.from_jaxpr import (
     JaxprSite, Path, detect_jaxpr, jaxpr_at, manual_at, open_subjaxpr, with_subjaxpr,
@@ -138,16 +139,15 @@ def _moved(loop: jaxcompat.JaxprEqn, site: JaxprSite) -> _Moved | None:
     if any(body.eqns[i].effects for i in eqns) or tainted & _vars(body.outvars[:groups[1]]) \
             or any(_vars(body.eqns[i].invars) & tainted - site.escaping for i in own):
         return None
-    defined = {v for i in pulled for v in body.eqns[i].outvars}
-    inputs = [v for v in site_inputs if v not in defined]
+    made = {v for i in pulled for v in body.eqns[i].outvars}
+    inputs, defined = [v for v in site_inputs if v not in made], set(made)
     for i in eqns:
         for v in body.eqns[i].invars:
             if not isinstance(v, jaxcompat.Literal) and v not in defined and v not in inputs:
                 inputs.append(v)
         defined |= set(body.eqns[i].outvars)
     leaving = frozenset(tainted & _vars(body.outvars))
-    recomputable = frozenset(
-        {v for i in pulled for v in body.eqns[i].outvars} & _vars(body.outvars[groups[1]:]))
+    recomputable = frozenset(made & _vars(body.outvars[groups[1]:]))
     return _Moved(site, tuple(eqns), tuple(inputs), leaving, recomputable - leaving)
 
 
@@ -155,8 +155,6 @@ def _moved(loop: jaxcompat.JaxprEqn, site: JaxprSite) -> _Moved | None:
 # saves q, k, v to avoid redoing elsewhere) and anything with a body of its own to run.
 _COSTLY = frozenset({"dot_general", "conv_general_dilated", "scan", "while", "cond",
                      "custom_vjp_call", "custom_vjp_call_jaxpr"})
-# Where a key's bits are drawn (a dropout multiplier is made from them).
-_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator"})
 
 
 def _primitives(eqn: jaxcompat.JaxprEqn) -> set[str]:
@@ -188,6 +186,12 @@ def _pulled(body: jaxcompat.Jaxpr, inputs: Sequence, groups: tuple[int, int, int
     producer = {v: i for i, e in enumerate(body.eqns) for v in e.outvars}
     given = {*body.constvars, *body.invars[:consts], *body.invars[consts + carry:]}
     best: dict = {}  # var -> (bytes the backward must be handed to have it, recomputed?)
+    runs: dict[int, set[str]] = {}
+
+    def ops(i: int) -> set[str]:
+        if i not in runs:
+            runs[i] = _primitives(body.eqns[i])
+        return runs[i]
 
     def cost(v) -> int:
         if isinstance(v, jaxcompat.Literal) or v in given:
@@ -195,8 +199,7 @@ def _pulled(body: jaxcompat.Jaxpr, inputs: Sequence, groups: tuple[int, int, int
         if v not in best:
             i = producer.get(v)
             best[v] = (_nbytes(v), False)
-            if i is not None and not (_primitives(body.eqns[i]) & _COSTLY) \
-                    and not body.eqns[i].effects:
+            if i is not None and not (ops(i) & _COSTLY) and not body.eqns[i].effects:
                 via = sum(cost(u) for u in body.eqns[i].invars)
                 if via < best[v][0]:
                     best[v] = (via, True)
@@ -217,7 +220,7 @@ def _pulled(body: jaxcompat.Jaxpr, inputs: Sequence, groups: tuple[int, int, int
     pulled: set[int] = set()
     for v in inputs:
         eqns = cone(v)
-        if any(_primitives(body.eqns[i]) & _RANDOM for i in eqns):
+        if any(ops(i) & RANDOM_BITS for i in eqns):
             pulled |= eqns
     return pulled
 
