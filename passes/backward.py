@@ -61,10 +61,15 @@ class Backward:
         return self.forward | self.backward
 
 
-def differentiated(inputs: Sequence[Any], site: JaxprSite, jaxpr: jaxcompat.Jaxpr
-                   ) -> Iterator[tuple[int, ...]]:
+def differentiated(inputs: Sequence[Any], site: JaxprSite, jaxpr: jaxcompat.Jaxpr,
+                   constant: Mapping[Any, Any]) -> Iterator[tuple[int, ...]]:
     """Candidate sets of inputs the program differentiates, most likely first: every float
     input, then q, k and v with or without the rest, then smaller subsets of q, k, v.
+
+    An input computed from literals alone (`constant`, as `constants` finds them: a mask's
+    fill broadcast to the scores' shape) carries no tangent, so jax never differentiates
+    it; counting it would make every candidate with the rest ask for a derivative the
+    program does not have (a sink's, say, beside the fill's).
 
     Only inputs the site's equations read count. A bias, sink or head-mask operand the
     program broadcast before the site (`MaskVar.var`, the kernel's compact operand) is not
@@ -74,19 +79,21 @@ def differentiated(inputs: Sequence[Any], site: JaxprSite, jaxpr: jaxcompat.Jaxp
     read = {v for i in site.eqns for v in jaxpr.eqns[i].invars
             if not isinstance(v, jaxcompat.Literal)}
     floating = [i for i, v in enumerate(inputs)
-                if jnp.issubdtype(v.aval.dtype, jnp.inexact) and v in read]
+                if jnp.issubdtype(v.aval.dtype, jnp.inexact) and v in read
+                and v not in constant]
     qkv = [inputs.index(o.var) for o in (site.q, site.k, site.v)
            if o.var in inputs and inputs.index(o.var) in floating]
     qkv = list(dict.fromkeys(qkv))
     seen = set()
+    rest = [i for i in floating if i not in qkv]
     for n in range(len(qkv), 0, -1):
         for core in itertools.combinations(qkv, n):
-            for with_rest in (True, False):
-                rest = [i for i in floating if i not in qkv] if with_rest else []
-                cand = tuple(sorted((*core, *rest)))
-                if cand not in seen:
-                    seen.add(cand)
-                    yield cand
+            for r in range(len(rest), -1, -1):
+                for others in itertools.combinations(rest, r):
+                    cand = tuple(sorted((*core, *others)))
+                    if cand not in seen:
+                        seen.add(cand)
+                        yield cand
 
 
 def with_gradient(fn, inputs: Sequence[Any], wrt: Sequence[int]):
@@ -144,7 +151,7 @@ def find_backward(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[Any]
     of them (`rewrite.site_equations`)."""
     program = _Program(jaxpr)
     failures = []
-    for wrt in differentiated(inputs, site, jaxpr):
+    for wrt in differentiated(inputs, site, jaxpr, program.constant):
         try:
             body = _matched_reference(own, inputs, site.out.aval, wrt, site.manual,
                                       with_output=True)
@@ -209,6 +216,7 @@ def find_recomputes(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[An
     scores = {str(jaxpr.eqns[i].outvars[0].aval) for i in site.eqns
               if jaxpr.eqns[i].primitive.name == "exp"}
     qkv = {o.var for o in (site.q, site.k, site.v)}
+    constant = constants(jaxpr)
     for at, eqn in enumerate(jaxpr.eqns):
         path = site.path + ((at, "jaxpr"),)
         if eqn.primitive.name not in REMAT or not eqn.params.get("differentiated") \
@@ -220,15 +228,15 @@ def find_recomputes(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, inputs: Sequence[An
                    for e in body.eqns):
             continue
         try:
-            found.append(_recompute(jaxpr, eqn, body, path, site, inputs, own, qkv))
+            found.append(_recompute(jaxpr, eqn, body, path, site, inputs, own, qkv, constant))
         except NoBackward as err:
             missed.append(str(err))
     return found, missed
 
 
 def _recompute(jaxpr: jaxcompat.Jaxpr, eqn: jaxcompat.JaxprEqn, body: jaxcompat.Jaxpr,
-               path: tuple, site: JaxprSite, inputs: Sequence[Any], own, qkv: set
-               ) -> Recompute:
+               path: tuple, site: JaxprSite, inputs: Sequence[Any], own, qkv: set,
+               constant: Mapping[Any, Any]) -> Recompute:
     program = _Program(body)
     passed = {}
     for outer, inner in zip(eqn.invars, body.invars):
@@ -236,7 +244,7 @@ def _recompute(jaxpr: jaxcompat.Jaxpr, eqn: jaxcompat.JaxprEqn, body: jaxcompat.
             passed.setdefault(outer, inner)
     same = _SameValue(jaxpr, eqn, body)
     failures = []
-    for wrt in differentiated(inputs, site, jaxpr):
+    for wrt in differentiated(inputs, site, jaxpr, constant):
         try:
             grads_only = _matched_reference(own, inputs, site.out.aval, wrt, site.manual,
                                             with_output=False)
@@ -303,17 +311,13 @@ class _Program:
         self.jaxpr = jaxpr
         self.readers: dict[Any, list[int]] = {}
         self.definer: dict[Any, int] = {}
-        self.constant: dict[Any, Any] = {}
+        self.constant = constants(jaxpr)
         for i, e in enumerate(jaxpr.eqns):
             for v in e.invars:
                 if not isinstance(v, jaxcompat.Literal):
                     self.readers.setdefault(v, []).append(i)
             for v in e.outvars:
                 self.definer[v] = i
-            key = constant_key(e, self.constant)
-            if key is not None:
-                for n, v in enumerate(e.outvars):
-                    self.constant[v] = (key, n)
         self.by_primitive: dict[str, list[int]] = {}
         for i, e in enumerate(jaxpr.eqns):
             self.by_primitive.setdefault(e.primitive.name, []).append(i)
@@ -379,6 +383,18 @@ def _live(jaxpr: jaxcompat.Jaxpr) -> set[int]:
             live.add(i)
             need.update(v for v in e.invars if not isinstance(v, jaxcompat.Literal))
     return live
+
+
+def constants(jaxpr: jaxcompat.Jaxpr) -> dict[Any, Any]:
+    """The variables of `jaxpr` computed from literals alone, each with its `constant_key`
+    (and output index), so a constant computed twice has one key."""
+    constant: dict[Any, Any] = {}
+    for e in jaxpr.eqns:
+        key = constant_key(e, constant)
+        if key is not None:
+            for n, v in enumerate(e.outvars):
+                constant[v] = (key, n)
+    return constant
 
 
 def constant_key(eqn: jaxcompat.JaxprEqn, constant: Mapping[Any, Any]) -> Any | None:

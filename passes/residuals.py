@@ -17,7 +17,8 @@ pass matches it (`passes.backward.find_backward`).
 A dropout multiplier the forward body draws from a key is recomputed with the site from
 the key rather than saved (`_pulled`): the backward loop then reads the bits it is made of,
 as the forward loop does, so its site is detected with its dropout, and no [n, B, H, Lq, Lk]
-multiplier is kept.
+multiplier is kept. A sink column is recomputed from the per-head logits it broadcasts, for
+the same reason: saved, the [B, H, Lq, 1] column would not read as one logit per head.
 
 It leaves a loop pair as it is unless every intermediate the site lets out is a stacked
 output of its forward loop read only by one other loop as a scanned operand.
@@ -129,7 +130,8 @@ def _moved(loop: jaxcompat.JaxprEqn, site: JaxprSite) -> _Moved | None:
         return None
     body = loop.params["jaxpr"].jaxpr
     site_inputs = free_inputs(body, site)
-    pulled = _pulled(body, site_inputs, groups)
+    sinks = {m.direct for m in site.masks if m.kind == "sinks"}
+    pulled = _pulled(body, site_inputs, groups, sinks)
     own, later, tainted = set(site.eqns), [], set(site.escaping)
     for i, eqn in enumerate(body.eqns):
         if i not in own and _vars(eqn.invars) & tainted:
@@ -170,7 +172,8 @@ def _nbytes(v) -> int:
     return math.prod(v.aval.shape) * getattr(v.aval.dtype, "itemsize", 8)
 
 
-def _pulled(body: jaxcompat.Jaxpr, inputs: Sequence, groups: tuple[int, int, int]) -> set[int]:
+def _pulled(body: jaxcompat.Jaxpr, inputs: Sequence, groups: tuple[int, int, int],
+            sinks: set) -> set[int]:
     """Indices of the forward body's equations that make a dropout multiplier the site
     reads, to recompute with it: the cheap equations (no contraction, loop or effect) from
     what the backward loop has anyway (the loop's invariant and scanned operands, the
@@ -178,10 +181,12 @@ def _pulled(body: jaxcompat.Jaxpr, inputs: Sequence, groups: tuple[int, int, int
     they make. Pure equations recomputed from the same operands give the same values, a
     key's bits included.
 
-    Only a multiplier drawn from bits moves: its [B, H, Lq, Lk] saved for the backward is
-    what a flash kernel is for avoiding, and only from its bits is it detected as dropout
-    there. Other inputs keep their way to the backward loop (a mask's broadcast recomputed
-    there would show the backward match a second operand for it)."""
+    Only a multiplier drawn from bits moves, and the site's `sinks` (the variables its
+    concatenate reads): the multiplier's [B, H, Lq, Lk] saved for the backward is what a
+    flash kernel is for avoiding, and only from its bits is it detected as dropout there;
+    a sink column is detected as one logit per head only from the broadcast that makes it.
+    Other inputs keep their way to the backward loop (a mask's broadcast recomputed there
+    would show the backward match a second operand for it)."""
     consts, carry, _ = groups
     producer = {v: i for i, e in enumerate(body.eqns) for v in e.outvars}
     given = {*body.constvars, *body.invars[:consts], *body.invars[consts + carry:]}
@@ -220,7 +225,7 @@ def _pulled(body: jaxcompat.Jaxpr, inputs: Sequence, groups: tuple[int, int, int
     pulled: set[int] = set()
     for v in inputs:
         eqns = cone(v)
-        if any(ops(i) & RANDOM_BITS for i in eqns):
+        if v in sinks or any(ops(i) & RANDOM_BITS for i in eqns):
             pulled |= eqns
     return pulled
 

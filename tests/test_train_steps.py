@@ -212,6 +212,36 @@ def test_learned_position_bias_gets_its_gradient_through_the_kernel():
     check_step(value_and_grad_step(t5_layer), (params, X), sites=1)
 
 
+def gpt_oss_layer(params, x):
+    """KerasHub GPT-OSS's attention as a layer: a learned sink logit per head broadcast to a
+    column, concatenated to the causal scores, the row max shifted out, the column sliced
+    off the probabilities."""
+    length = x.shape[1]
+    q, k, v = jnp.split((x @ params["w"]).reshape(B, length, 3 * H, D), 3, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+    s = jnp.where(jnp.tril(jnp.ones((length, length), bool)), s, -1e9)
+    sink = jnp.broadcast_to(params["sinks"].reshape(1, H, 1, 1), (B, H, length, 1))
+    s = jnp.concatenate([s, sink], axis=-1)
+    s = s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    p = jax.nn.softmax(s, axis=-1)[..., :-1]
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(B, length, E)
+
+
+def test_attention_sinks_get_their_gradient_through_the_kernel():
+    """The sinks' gradient is the kernel's dsinks summed by the program's transpose of the
+    broadcast. The mask's fill, a constant broadcast to the scores' shape, is an input of
+    the site that jax never differentiates: the match must not ask for its derivative."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((E, 3 * E)) / 4, jnp.float32),
+              "sinks": jnp.asarray(rng.standard_normal(H), jnp.float32)}
+    step = value_and_grad_step(gpt_oss_layer)
+    report = hlotool.explain(step, params, X)
+    assert report.sites[0].site.sinks, str(report)
+    check_step(step, (params, X), sites=1)
+    _, grads = hlotool.flash_jit(step)(params, X)
+    assert np.abs(np.asarray(grads["sinks"])).min() > 0  # every head's sink is learned
+
+
 def test_keras_attention_dropout_in_training():
     """Keras' dropout on the probabilities (`where(keep, p / keep_prob, 0)`, its keep mask
     drawn from the seed generator's state): the mask is a post-softmax mask and 1 /
@@ -392,18 +422,23 @@ def test_a_checkpointed_body_computing_something_else_stays_native():
 # lax.scan over layers
 
 
-def scanned_layers(remat: bool, dropout: bool = False):
+def scanned_layers(remat: bool, dropout: bool = False, sinks: bool = False):
     """value_and_grad of a scan over 3 causal layers (the loop's fill and mask reach its
     body as loop-invariant operands), optionally each layer under jax.checkpoint, as
     flax's nn.scan(nn.remat(Block)) and maxtext write it; with `dropout`, flax's attention
     dropout on the probabilities, each layer drawing from its own key (scanned with its
-    weights)."""
+    weights); with `sinks`, GPT-OSS's sink logit per head, learned with the layer's weights
+    (the last H entries of its output projection's first row)."""
     def layer(x, w, key):
         length = x.shape[1]
         q, k, v = jnp.split((x @ w[0]).reshape(B, length, 3 * H, D), 3, axis=2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
         s = jnp.where(jnp.tril(jnp.ones((length, length), bool)), s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
+        if sinks:
+            sink = jnp.broadcast_to(w[1][0, -H:].reshape(1, H, 1, 1), (B, H, length, 1))
+            p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+        else:
+            p = jax.nn.softmax(s, axis=-1)
         if dropout:
             keep = jax.random.bernoulli(key, 0.9, p.shape)
             p = p * (keep.astype(p.dtype) / jnp.asarray(0.9, p.dtype))
@@ -422,13 +457,14 @@ def scanned_layers(remat: bool, dropout: bool = False):
     return jax.value_and_grad(loss), (ws, X)
 
 
-def test_scan_over_checkpointed_layers_rewrites_both_loops():
+@pytest.mark.parametrize("sinks", [False, True])
+def test_scan_over_checkpointed_layers_rewrites_both_loops(sinks):
     """The forward loop's site, and the backward loop's checkpointed body, which recomputes
     the layer (output included) beside its derivative: both in kernels."""
-    step, args = scanned_layers(remat=True)
+    step, args = scanned_layers(remat=True, sinks=sinks)
     report = hlotool.explain(step, *args)
-    assert [(s.where, s.rewritten) for s in report.sites] == [
-        ("scan.jaxpr", True), ("scan.jaxpr > remat2.jaxpr", True)], str(report)
+    assert [(s.where, s.site.sinks, s.rewritten) for s in report.sites] == [
+        ("scan.jaxpr", sinks, True), ("scan.jaxpr > remat2.jaxpr", sinks, True)], str(report)
     fast = hlotool.flash_jit(step)
     assert relative_error(fast(*args), jax.jit(step)(*args)) < 1e-5
     assert detect_jaxpr(fast.trace(*args).jaxpr) == []
@@ -448,17 +484,20 @@ def test_scan_over_checkpointed_layers_is_read_at_any_length():
         str(report)
 
 
-@pytest.mark.parametrize("dropout", [False, True])
-def test_scan_over_layers_without_checkpoint_recomputes_in_the_backward_loop(dropout):
+@pytest.mark.parametrize("dropout, sinks", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "dropout", "sinks"])
+def test_scan_over_layers_without_checkpoint_recomputes_in_the_backward_loop(dropout, sinks):
     """Without jax.checkpoint the forward loop saves the probabilities ([n, B, H, L, L]) for
     the backward loop, and with dropout its multiplier too. The rewrite saves q, k, v
     instead and recomputes the site in the backward loop, as jax.checkpoint would, the
-    multiplier from the layer's key: it then matches the site's derivative there, dropout
-    included. Both loops hold kernels, no [L, L] value crosses between them, and the
-    gradients are the program's."""
-    step, args = scanned_layers(remat=False, dropout=dropout)
+    multiplier from the layer's key and the sink column from the layer's weights (saved,
+    a [B, H, L, 1] column would not read as one logit per head): it then matches the site's
+    derivative there, dropout and sinks included. Both loops hold kernels, no [L, L] value
+    crosses between them, and the gradients are the program's."""
+    step, args = scanned_layers(remat=False, dropout=dropout, sinks=sinks)
     report = hlotool.explain(step, *args)
-    assert [s.site.dropout for s in report.sites] == [dropout, dropout], str(report)
+    assert [(s.site.dropout, s.site.sinks) for s in report.sites] == [(dropout, sinks)] * 2, \
+        str(report)
     assert [(s.where, s.rewritten) for s in report.sites] == [
         ("scan.jaxpr", True), ("scan.jaxpr", True)], str(report)
     assert "recomputed in the backward loop" in report.sites[1].reason
