@@ -135,6 +135,7 @@ def hook_checks() -> list[Check]:
 
 def kernel_checks() -> list[Check]:
     from hlotool import kernels
+    from hlotool.kernels import drawn
 
     checks = []
     for name in kernels.names():
@@ -143,10 +144,14 @@ def kernel_checks() -> list[Check]:
             kernel = kernels.get(name)
         runs = "/".join(kernel.platforms)
         reason = kernel.unavailable_reason
-        if reason is None:
+        if reason is None and kernel.draws and drawn.usable() is not None:
+            checks.append(Check(f"kernel {name}", WARN, f"{runs}; reads dropout masks whole: "
+                                f"{drawn.usable()}"))
+        elif reason is None:
             deprecated = getattr(kernel, "deprecated", None)
+            drawing = "; draws dropout masks per tile" if kernel.draws else ""
             checks.append(Check(f"kernel {name}", OK,
-                                f"{runs}; {deprecated}" if deprecated else runs))
+                                f"{runs}; {deprecated}" if deprecated else runs + drawing))
         else:
             optional = getattr(kernel, "optional", False)
             checks.append(Check(f"kernel {name}", OFF if optional else FAIL, reason))

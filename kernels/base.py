@@ -60,6 +60,7 @@ from jax import lax
 
 from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
+from hlotool.kernels.drawn import DrawnMask
 from hlotool.site import AttentionSite, Band, band_of
 
 LAYOUTS = ("BLHD", "BHLD")
@@ -169,7 +170,8 @@ class Call:
     """One call's operands in canonical terms, validated.
 
     q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; bias: 4-D, each axis 1 or the
-    full [B, Hq, Lq, Lk] size; mask: bool, same rule; post_mask: bool or float, same rule;
+    full [B, Hq, Lq, Lk] size; mask: bool, same rule; post_mask: bool or float, same rule,
+    or a `DrawnMask` [B|1, Hq|1, Lq, Lk] (drawn per tile by a kernel that `draws`);
     kv_lengths: int32 [B]; sinks: float [B|1, Hq|1, Lq|1, 1]; fill: the logit of a hidden key
     (-inf, or finite); softcap: c of c·tanh(x / c), or None; out_dtype: the result's dtype, None
     for q's; window: (left, right) of a sliding window (None for an unbounded side), or None.
@@ -185,7 +187,7 @@ class Call:
     kv_lengths: jax.Array | None
     fill: float = -math.inf
     softcap: float | None = None
-    post_mask: jax.Array | None = None
+    post_mask: jax.Array | DrawnMask | None = None
     sinks: jax.Array | None = None
     out_dtype: str | None = None
     window: tuple[int | None, int | None] | None = None
@@ -344,7 +346,12 @@ def make_call(
         mask = _broadcast_operand(jnp.asarray(mask), "mask", full)
         if mask.dtype != jnp.bool_:
             raise KernelError(f"mask must be boolean (True = attend), got {mask.dtype}")
-    if post_mask is not None:
+    if isinstance(post_mask, DrawnMask):
+        if post_mask.full[2:] != full[2:] or any(
+                n not in (1, want) for n, want in zip(post_mask.full, full)):
+            raise KernelError(f"a drawn post_mask of shape {post_mask.full} for scores "
+                              f"{full} [B, Hq, Lq, Lk]")
+    elif post_mask is not None:
         post_mask = _broadcast_operand(jnp.asarray(post_mask), "post_mask", full)
         if post_mask.dtype != jnp.bool_ and not jnp.issubdtype(post_mask.dtype, jnp.floating):
             raise KernelError(f"post_mask must be boolean (True = keep) or floating point (a "
@@ -414,6 +421,8 @@ class AttentionKernel(abc.ABC):
     # (over which mesh axes each varies): upstream Pallas kernels build their outputs' types
     # without them, and jax refuses those there.
     typed_for_shard_map: ClassVar[bool] = False
+    # Whether `_attend` takes a `DrawnMask` post_mask (draws its tiles); others get it whole.
+    draws: ClassVar[bool] = False
 
     @property
     def unavailable_reason(self) -> str | None:
@@ -460,6 +469,8 @@ class AttentionKernel(abc.ABC):
         support = self.supports(call.site(), call.features)
         if not support:
             raise KernelError(f"kernel {self.name}: {support.reason}")
+        if isinstance(call.post_mask, DrawnMask) and not self.draws:
+            call = dataclasses.replace(call, post_mask=call.post_mask.dense())
 
         def attend(kernel: AttentionKernel) -> Callable[[Call], jax.Array]:
             return lambda c: kernel._attend(c).astype(c.result_dtype)

@@ -11,7 +11,8 @@ finfo.min bias the max absorbs the log of the normalizer).
 
 Hidden keys get exactly `fill` (see `hlotool.kernels.base`), and every variant there is
 implemented: soft-capping on each score tile (its derivative 1 - tanh² in the backward), a
-post-softmax mask (or dropout's multiplier) on the numerator only, sinks as each row's starting
+post-softmax mask (or dropout's multiplier) on the numerator only, read per tile or drawn
+per tile from jax.random bits (`kernels.drawn.DrawnMask`), sinks as each row's starting
 max and normalizer. With a finite fill the keys of skipped blocks still carry weight exp(fill -
 max): they enter in closed form, through suffix sums of V over keys (forward) and prefix sums of
 w·dO over queries (backward), so skipping stays exact (a post-softmax mask under a finite fill
@@ -52,6 +53,7 @@ from hlotool.kernels.base import (
     varying,
     zero_invalid_keys,
 )
+from hlotool.kernels.drawn import DrawnMask
 from hlotool.site import AttentionSite
 
 
@@ -144,11 +146,21 @@ def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static, banded: bool = True
 
 
 def _kept(p, post, i, j, st: _Static):
-    """`p` [B, Hkv, G·block_q, block_k] after the post-softmax mask (`base.post_softmax`)."""
+    """`p` [B, Hkv, G·block_q, block_k] after the post-softmax mask (`base.post_softmax`):
+    an operand's tile, or one drawn here (`DrawnMask`, [B, Hq, ...] in head order)."""
     if post is None:
         return p
     b, hkv, rows, bk = p.shape
-    keep = jnp.broadcast_to(_tile(post, i, j, st), (b, hkv, rows // st.block_q, st.block_q, bk))
+    if isinstance(post, DrawnMask):
+        keep = post.tile(i * st.block_q, st.block_q, j * st.block_k, st.block_k)
+        heads = keep.shape[1] > 1
+        keep = keep.reshape(keep.shape[0], hkv if heads else 1, -1 if heads else 1,
+                            st.block_q, bk)
+        if post.also is not None:
+            keep = jnp.where(_tile(post.also, i, j, st), keep, jnp.zeros((), keep.dtype))
+    else:
+        keep = _tile(post, i, j, st)
+    keep = jnp.broadcast_to(keep, (b, hkv, rows // st.block_q, st.block_q, bk))
     return post_softmax(p, keep.reshape(p.shape))
 
 
@@ -412,6 +424,7 @@ class Chunked(AttentionKernel):
     platforms = ("cpu", "tpu", "cuda")
     typed_for_shard_map = True
     extras = frozenset(EXTRAS)
+    draws = True
 
     def __init__(self, block_q: int = 512, block_k: int = 256):
         if block_q % 8 or block_k % 8 or block_q <= 0 or block_k <= 0:
@@ -445,7 +458,8 @@ class Chunked(AttentionKernel):
                          call.post_mask is not None
                          or (call.band is not None and call.band[0] is not None)),
                      varying=axes_varied_over(call.q, call.k, call.v, call.bias, call.mask,
-                                              call.post_mask, call.sinks, call.kv_lengths,
+                                              *jax.tree.leaves(call.post_mask), call.sinks,
+                                              call.kv_lengths,
                                               *(call.segments or ())))
         q = call.q * jnp.asarray(call.scale, call.q.dtype) if wide else call.q
         q = q.reshape(b, lq, hkv, g, d)
@@ -454,6 +468,8 @@ class Chunked(AttentionKernel):
         v = _pad_axis(jnp.swapaxes(call.v, 1, 2), 2, lk_p)
 
         def to5(x, fill):
+            if isinstance(x, DrawnMask):  # drawn per tile in [B, Hq, ...]
+                return x.with_also(to5(x.also, fill))
             if x is None:
                 return None
             bx, hx, qx, kx = x.shape

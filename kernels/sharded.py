@@ -15,6 +15,7 @@ import jax
 
 from hlotool import jaxcompat
 from hlotool.kernels.base import Call
+from hlotool.kernels.drawn import DrawnMask
 
 
 def mesh_of(leaves: Sequence[Any], in_shardings: Any = None) -> Any:
@@ -55,6 +56,8 @@ def on_mesh(run: Callable[[Call], jax.Array], call: Call, mesh: Any) -> jax.Arra
     batch, heads = mesh_split(mesh, call.q.shape[0], call.q.shape[2], call.k.shape[2])
     if not (batch or heads):
         return run(call)
+    if isinstance(call.post_mask, DrawnMask):  # its tiles count positions of the whole call
+        call = dataclasses.replace(call, post_mask=call.post_mask.dense())
     spec = jax.sharding.PartitionSpec
     qkv = spec(batch or None, None, heads or None, None)
     scores = [None if x is None else spec(batch if x.shape[0] > 1 else None,

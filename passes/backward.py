@@ -253,7 +253,9 @@ def _recompute(jaxpr: jaxcompat.Jaxpr, eqn: jaxcompat.JaxprEqn, body: jaxcompat.
         except NoBackward as err:
             failures.append(str(err))
             continue
-        bound = tuple(env.get(r) for r in grads_only.invars[:-1])
+        # An input the site's derivative does not read (the key a dropout mask is drawn
+        # from, for a kernel that draws it) is bound to the body's value shown to equal it.
+        bound = tuple(env.get(r) or same.find(v) for r, v in zip(grads_only.invars, inputs))
         ct = env.get(grads_only.invars[-1])
         grads = tuple(env.get(v) for v in grads_only.outvars)
         if ct is None or any(b is None for b in bound) or any(
@@ -280,6 +282,14 @@ class _SameValue:
         self.inner = {v: e for e in body.eqns for v in e.outvars}
         self.passed = {b: o for o, b in zip(eqn.invars, body.invars)}
         self.memo: dict[tuple[int, int], bool] = {}
+
+    def find(self, a: Any) -> Any | None:
+        """A variable of the body holding the value of `a`, or None."""
+        passed = [b for b, o in self.passed.items() if o is a]
+        if passed:
+            return passed[0]
+        return next((b for b in self.inner if str(b.aval) == str(a.aval) and self(a, b)),
+                    None)
 
     def __call__(self, a: Any, b: Any, depth: int = 0) -> bool:
         a_lit, b_lit = isinstance(a, jaxcompat.Literal), isinstance(b, jaxcompat.Literal)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import numpy as np
 
 from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
+from hlotool.kernels import drawn
 from hlotool.passes.attention import Layout, Match, find
 from hlotool.passes.near_miss import NearMiss, near_misses
 from hlotool.passes.tracing import Manual
@@ -306,7 +308,9 @@ class MaskVar:
     reached through layout ops only; `replay` holds those ops (broadcasts, reshapes,
     transposes, casts). `direct` is the variable the site's equation reads (the operand as
     the program broadcast it; `var` itself where nothing was replayed): a train step's
-    derivative of the site is taken with respect to it.
+    derivative of the site is taken with respect to it. `drawn`: for a post-softmax operand
+    that the program draws from jax.random elementwise (dropout's keep mask), the equations
+    from its keys to `var` (`kernels.drawn`), whose inputs the replacement reads instead.
     """
 
     kind: str
@@ -319,6 +323,49 @@ class MaskVar:
     keep_when: bool = True
     key_lengths: Any | None = None
     direct: Any | None = None
+    drawn: jaxcompat.Jaxpr | None = None
+
+
+def _drawn(jaxpr: jaxcompat.Jaxpr, m: MaskVar) -> jaxcompat.Jaxpr | None:
+    """The equations computing the post-softmax operand from keys and one-element values
+    (stopping at the first such value on each path), as a jaxpr, where `kernels.drawn.check`
+    accepts them and the scores are [B, Hq, Lq, Lk] as they are. The operand is the value
+    the site reads (`m.direct`), or `m.var` where only casts and a broadcast over B or Hq
+    lead from it there (flax draws one [1, 1, Lq, Lk] mask for every batch row and head)."""
+    layout, shape = m.scores_layout, tuple(m.at_shape)
+    if len(shape) != 4 or tuple(layout.canonical) != shape or tuple(layout.perm) != (0, 1, 2, 3):
+        return None
+    cast_and_broadcast = all(n.op == "convert" or (
+        n.op == "broadcast" and tuple(n.params["dims"]) == (0, 1, 2, 3)) for n in m.replay)
+    for out in (m.direct, m.var if cast_and_broadcast else None):
+        if out is None or out.aval.ndim != 4 or tuple(out.aval.shape[2:]) != shape[2:] \
+                or any(n not in (1, want) for n, want in zip(out.aval.shape[:2], shape)):
+            continue
+        cone = _cone(jaxpr, out)
+        if cone is not None and drawn.check(cone, tuple(out.aval.shape)) is None:
+            return cone
+    return None
+
+
+def _cone(jaxpr: jaxcompat.Jaxpr, out: Any) -> jaxcompat.Jaxpr | None:
+    """The equations computing `out` back to one-element values (a key, a keep_prob), as a
+    jaxpr from those to `out`; None where a larger value from outside enters."""
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    taken, inputs, pending = set(), [], [out]
+    while pending:
+        v = pending.pop()
+        if isinstance(v, jaxcompat.Literal) or v in inputs:
+            continue
+        if v is not out and math.prod(v.aval.shape) == 1:  # a key, a keep_prob
+            inputs.append(v)
+        elif v in producer:
+            if producer[v] not in taken:
+                taken.add(producer[v])
+                pending.extend(jaxpr.eqns[producer[v]].invars)
+        else:
+            return None
+    return jaxpr.replace(constvars=[], invars=inputs, outvars=[out],
+                         eqns=[jaxpr.eqns[i] for i in sorted(taken)])
 
 
 def _visible(node: Node | None, level: Path) -> tuple[Any | None, tuple[Node, ...]]:
@@ -430,6 +477,8 @@ def _to_jaxpr_site(closed: jaxcompat.ClosedJaxpr, match: Match,
         MaskVar(t.kind, *_visible(t.operand, level), t.scores_layout.shape, t.scores_layout,
                 t.sign, t.fill, t.keep_when, var(t.key_lengths), direct=direct(t.operand))
         for t in match.masks)
+    masks = tuple(dataclasses.replace(m, drawn=_drawn(jaxpr, m))
+                  if m.kind in ("post", "dropout") else m for m in masks)
     multipliers = tuple(
         MaskVar("multiplier", *_visible(t.operand, level), t.scores_layout.shape,
                 t.scores_layout, direct=direct(t.operand))

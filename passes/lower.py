@@ -36,6 +36,8 @@ from hlotool.kernels.base import (
     score_bound,
     visible_keys,
 )
+from hlotool.kernels import drawn
+from hlotool.kernels.drawn import DrawnMask
 from hlotool.passes.attention import Layout
 from hlotool.passes.axes import reshape_groups
 from hlotool.passes.from_jaxpr import JaxprSite, MaskVar
@@ -100,7 +102,7 @@ class KernelForm:
         def var_free(m: MaskVar) -> tuple:
             return (m.kind, m.at_shape, m.scores_layout, m.keep_when,
                     tuple((n.op, n.shape, n.dtype, repr(sorted(n.params.items())))
-                          for n in m.replay))
+                          for n in m.replay), None if m.drawn is None else str(m.drawn))
         return (self.scale, self.causal, self.window, self.fill, self.nan_rows, self.softcap,
                 self.out_factor,
                 tuple((var_free(m), mult) for m, mult in self.biases),
@@ -209,8 +211,11 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array],
         x = operand(m).astype(jnp.float32) * mult
         bias = x if bias is None else bias + x
     mask = _all_of(form.masks, values)
-    post = _all_of(tuple(m for m in form.post_masks if m.kind == "post"), values)
-    weights = _post_weights(form.post_masks, post, values)
+    weights = _drawn(form, values)
+    post = None
+    if weights is None:
+        post = _all_of(tuple(m for m in form.post_masks if m.kind == "post"), values)
+        weights = _post_weights(form.post_masks, post, values)
     sinks = None if form.sinks is None else operand(form.sinks)
     # A head mask (or a constant) multiplies the output: in f32, so that its gradient (a sum
     # of dO·out over B·Lq·Dv terms) is not computed from an output already rounded to bf16
@@ -240,6 +245,25 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array],
     if call.sinks is not None:  # a finite sink is a logit the row always has
         empty = empty & (call.sinks == -jnp.inf)
     return call, After(empty, factors)
+
+
+def _drawn(form: KernelForm, values: Mapping[Any, jax.Array]) -> DrawnMask | None:
+    """The post-softmax operand as the kernel may draw it tile by tile: one drawn operand
+    (`MaskVar.drawn`, dropout's keep mask), from its keys' values, the other boolean ones
+    ANDed and read as they are; None to read it whole (beside another dropout factor, where
+    the NaN rows of a boolean one need all of it at once, or where tiles of random bits
+    cannot be drawn with this jax: `kernels.drawn.usable`)."""
+    chosen = [m for m in form.post_masks if m.drawn is not None]
+    if len(chosen) != 1:
+        return None
+    (m,) = chosen
+    others = tuple(o for o in form.post_masks if o is not m)
+    if any(o.kind != "post" for o in others) or (form.nan_rows and (
+            m.kind == "post" or others)) or drawn.usable() is not None:
+        return None
+    return DrawnMask.of(m.drawn, tuple(values[v] for v in m.drawn.invars),
+                        jnp.float32 if m.kind == "dropout" else jnp.bool_, m.keep_when,
+                        _all_of(others, values))
 
 
 def _post_weights(post_masks: tuple[MaskVar, ...], keep: jax.Array | None,

@@ -76,7 +76,7 @@ def test_doctor_on_this_install_is_one_screen_and_exits_0():
     assert rows["hook jit lowering"] == (
         "ok", "jax._src.interpreters.pxla.lower_sharding_computation (private)")
     assert rows["target tpu-v5e"][1].startswith("compiled deviceless (v5e:1x1) in ")
-    assert rows["kernel chunked"] == ("ok", "cpu/tpu/cuda")
+    assert rows["kernel chunked"] == ("ok", "cpu/tpu/cuda; draws dropout masks per tile")
     assert done.stdout.splitlines()[-1].startswith("all features of this install work")
     assert "features: inspect/dump/cost ok · flash_jit ok · TPU targets ok" in done.stdout
     assert len(done.stdout.splitlines()) <= 32

@@ -246,7 +246,9 @@ def test_keras_attention_dropout_in_training():
     """Keras' dropout on the probabilities (`where(keep, p / keep_prob, 0)`, its keep mask
     drawn from the seed generator's state): the mask is a post-softmax mask and 1 /
     keep_prob a factor the kernel's output takes. No TPU Pallas kernel takes a mask after
-    the softmax, so the chunked kernel runs there too."""
+    the softmax, so the chunked kernel runs there too. It draws the keep mask itself, tile by
+    tile, with the bits the program's draw has there (kernels/drawn.py), and reads Keras'
+    attention mask, which Keras applies after the softmax too, as it is."""
     step, args = keras_attention_step(dropout=0.1)
     report = hlotool.explain(step, *args)
     (site,) = report.sites
@@ -255,6 +257,8 @@ def test_keras_attention_dropout_in_training():
     fast = hlotool.flash_jit(step)
     assert relative_error(fast(*args), jax.jit(step)(*args)) < 1e-5
     assert detect_jaxpr(fast.trace(*args).jaxpr) == []
+    text = str(fast.trace(*args).jaxpr)
+    assert "threefry2x32" in text and "random_bits" not in text
 
 
 def test_flax_linen_bfloat16():
@@ -515,6 +519,8 @@ def test_scan_over_layers_without_checkpoint_recomputes_in_the_backward_loop(dro
     assert saved_scores(jax.make_jaxpr(step)(*args).jaxpr)  # what the native program keeps
     assert saved_scores(traced) == []
     if dropout:  # no TPU Pallas kernel draws dropout: the chunked kernel runs there
+        # and draws the keep mask itself, per tile, in both loops (kernels/drawn.py).
+        assert "random_bits" not in str(traced) and "threefry2x32" in str(traced)
         assert all("chunked for tpu (splash_tpu skipped: dropout" in s.reason
                    for s in report.sites), str(report)
         return

@@ -1,0 +1,285 @@
+"""A post-softmax operand drawn tile by tile: dropout's keep mask, never [B, H, Lq, Lk] at once.
+
+A program in training draws dropout's keep mask from `jax.random` over the whole score shape,
+then works on each element alone: random bits, then arithmetic on each bit pattern
+(`bernoulli`: shift, or, bitcast, compare with keep_prob; then `/ keep_prob`). jax's threefry
+(with `jax_threefry_partitionable`, its default) draws the bits at flat position n from the
+key and n alone: threefry2x32(key, (n >> 32, n mod 2³²)), the two output words xor-ed. So the
+bits of a tile are the whole array's bits at the tile's positions: `DrawnMask.tile` computes
+them and runs the program's own equations from the bits to the mask on them. That gives the
+values the program has there, bit for bit, while a kernel holds one tile at a time.
+
+`unavailable()` checks the installed jax against that formula once, on a small array both
+ways; where it says why not, the caller reads the program's mask from memory as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from hlotool import jaxcompat
+
+# Equations a cone may hold on full-shape values: each output element is a function of the
+# same element of its operands (and of values with one element, broadcast).
+ELEMENTWISE = frozenset({
+    "shift_right_logical", "shift_right_arithmetic", "shift_left", "or", "and", "xor", "not",
+    "bitcast_convert_type", "convert_element_type", "add", "sub", "mul", "div", "max", "min",
+    "neg", "abs", "floor", "ceil", "lt", "le", "gt", "ge", "eq", "ne", "select_n",
+    "stop_gradient",
+})
+CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+THREEFRY = "key<fry>"
+
+
+def _threefry():
+    """jax's threefry2x32 primitive, or None where jax.extend does not export it."""
+    try:
+        from jax.extend import random as extend_random
+    except ImportError:
+        return None
+    return getattr(extend_random, "threefry2x32_p", None)
+
+
+def _mul_wide(a: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+    """(high, low) 32-bit words of a · c for uint32 `a` and 0 ≤ c < 2³², in uint32 only (jax
+    without x64 has no uint64), from 16-bit halves."""
+    u32 = jnp.uint32
+    a0, a1 = a & u32(0xFFFF), a >> u32(16)
+    c0, c1 = u32(c & 0xFFFF), u32(c >> 16)
+    p00, p01, p10, p11 = a0 * c0, a0 * c1, a1 * c0, a1 * c1
+    mid = p01 + p10
+    mid_carry = (mid < p01).astype(u32)
+    low = p00 + (mid << u32(16))
+    low_carry = (low < p00).astype(u32)
+    return p11 + (mid >> u32(16)) + (mid_carry << u32(16)) + low_carry, low
+
+
+def tile_bits(key_data: jax.Array, full: tuple[int, ...], q_start, q_size: int, k_start,
+              k_size: int) -> jax.Array:
+    """uint32 [B, H, q_size, k_size]: `jax.random.bits(key, full)` ([B, H, Lq, Lk]) at queries
+    q_start.. and keys k_start.. (ints or traced int32). Positions past the array's end get
+    bits of their own (a kernel's padding: never read as the program's)."""
+    b, h, lq, lk = full
+    u32 = jnp.uint32
+    rows = (lax.broadcasted_iota(u32, (b, h, q_size, 1), 0) * u32(h)
+            + lax.broadcasted_iota(u32, (b, h, q_size, 1), 1)) * u32(lq) \
+        + (jnp.asarray(q_start).astype(u32) + lax.broadcasted_iota(u32, (b, h, q_size, 1), 2))
+    high, low = _mul_wide(rows, lk)
+    keys = jnp.asarray(k_start).astype(u32) + lax.iota(u32, k_size)
+    flat_low = low + keys
+    flat_high = high + (flat_low < low).astype(u32)
+    x1, x2 = _threefry().bind(key_data[0], key_data[1], flat_high, flat_low)
+    return x1 ^ x2
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why tiles of jax's random bits cannot be drawn here; None when they can."""
+    if _threefry() is None:
+        return "jax.extend.random has no threefry2x32_p"
+    shape = (2, 3, 5, 7)
+
+    def both(data):
+        key = jax.random.wrap_key_data(data, impl="threefry2x32")
+        return jax.random.bits(key, shape), tile_bits(data, shape, 1, 3, 2, 4)
+
+    try:  # compiled and run apart: the first use may come while jax traces a program
+        compiled = jax.jit(both).lower(jax.ShapeDtypeStruct((2,), jnp.uint32)).compile()
+        want, got = (np.asarray(x) for x in compiled(np.array([7, 1234], np.uint32)))
+    except Exception as err:  # noqa: BLE001 - any failure means: read the mask instead
+        return f"drawing a tile of random bits failed ({type(err).__name__}: {err})"
+    if not np.array_equal(got, want[:, :, 1:4, 2:6]):
+        return "jax.random.bits is not threefry2x32 of each element's flat position"
+    return None
+
+
+def usable() -> str | None:
+    """Why a mask cannot be drawn in tiles now (the probe, or the config); None when it can."""
+    if not jax.config.jax_threefry_partitionable:
+        return "jax_threefry_partitionable is off (bits depend on the whole array's shape)"
+    return unavailable()
+
+
+def _small(aval: Any) -> bool:
+    return math.prod(aval.shape) == 1
+
+
+def check(jaxpr: jaxcompat.Jaxpr, full: tuple[int, ...]) -> str | None:
+    """Why the cone `jaxpr` (inputs: keys and one-element values; one output of shape
+    `full`, the scores' in the program, keys last) cannot be computed tile by tile; None
+    when it can."""
+    if math.prod(full[:-1]) >= 2 ** 32 or full[-1] >= 2 ** 32:
+        return f"the mask's shape {full} is beyond 32-bit rows"
+    bits = _check(jaxpr, tuple(full), [False] * len(jaxpr.invars))
+    if isinstance(bits, str):
+        return bits
+    if not bits[1]:
+        return "the mask draws no random bits of its shape"
+    if not bits[0][0]:
+        return "the mask is not of the scores' shape"
+    return None
+
+
+def _check(jaxpr: jaxcompat.Jaxpr, full: tuple, inputs: list[bool]
+           ) -> tuple[list[bool], bool] | str:
+    """Per output whether it is full-shape, and whether random bits are drawn; or why not."""
+    env = dict(zip(jaxpr.invars, inputs))
+    drawn = False
+
+    def is_full(v) -> bool:
+        return not isinstance(v, jaxcompat.Literal) and env.get(v, False)
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = [is_full(v) for v in eqn.invars]
+        if eqn.effects:
+            return f"`{name}` has effects"
+        if name == "random_bits":
+            if str(eqn.invars[0].aval.dtype) != THREEFRY or eqn.invars[0].aval.shape != ():
+                return f"random bits from a {eqn.invars[0].aval.str_short()} key (not one " \
+                       "threefry key)"
+            if tuple(eqn.params["shape"]) != full or eqn.params["bit_width"] != 32:
+                return f"random bits of shape {tuple(eqn.params['shape'])} (not the scores')"
+            outs, drawn = [True], True
+        elif name in CALLS:
+            inner = _check(eqn.params["jaxpr"].jaxpr, full, ins)
+            if isinstance(inner, str):
+                return inner
+            outs, drawn = inner[0], drawn or inner[1]
+        elif any(ins):
+            if name not in ELEMENTWISE:
+                return f"`{name}` on the mask's values is not elementwise"
+            if any(not f and not _small(v.aval) for f, v in zip(ins, eqn.invars)):
+                return f"`{name}` mixes the mask with a value of another shape"
+            outs = [True] * len(eqn.outvars)
+        elif name == "broadcast_in_dim" and tuple(eqn.outvars[0].aval.shape) == full:
+            if not _small(eqn.invars[0].aval):
+                return "a broadcast of more than one value into the mask"
+            outs = [True]
+        elif any(tuple(v.aval.shape) == full for v in eqn.outvars):
+            return f"`{name}` makes a value of the mask's shape"
+        else:
+            outs = [False] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs))
+    return [is_full(v) for v in jaxpr.outvars], drawn
+
+
+@jax.tree_util.register_pytree_node_class
+class DrawnMask:
+    """A [B, Hq, Lq, Lk] post-softmax operand computed from jax.random bits per tile.
+
+    cone: a jaxpr from its inputs (threefry keys, one-element values) to the program's mask,
+    as `check` accepts it, of shape [B|1, Hq|1, Lq, Lk] (`full`); inputs: their values, keys
+    as key data (uint32, `keys` says which), so that the operand passes through
+    `jax.custom_vjp` as integers; keep_when: for a bool mask, the value that keeps a key (the
+    kernel's True); dtype: the operand's (bool: keep, float: multiplier); also: None, or a
+    bool operand read as it is (the caller's other masks after the softmax, in the caller's
+    layout) that zeroes the operand where it is False (Keras applies its attention mask
+    after the softmax beside dropout's)."""
+
+    def __init__(self, cone: jaxcompat.Jaxpr, inputs: tuple, keys: tuple[bool, ...],
+                 full: tuple[int, ...], dtype: Any, keep_when: bool = True,
+                 also: jax.Array | None = None):
+        self.cone, self.inputs, self.keys = cone, tuple(inputs), tuple(keys)
+        self.full, self.dtype, self.keep_when = tuple(full), jnp.dtype(dtype), keep_when
+        self.also = also
+
+    @classmethod
+    def of(cls, cone: jaxcompat.Jaxpr, values: tuple, dtype: Any, keep_when: bool = True,
+           also: jax.Array | None = None) -> DrawnMask:
+        """The operand for the cone's input `values` (keys typed, as the program has them)."""
+        keys = tuple(jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+                     for x in values)
+        inputs = tuple(jax.random.key_data(x) if k else x for x, k in zip(values, keys))
+        return cls(cone, inputs, keys, tuple(cone.outvars[0].aval.shape), dtype, keep_when,
+                   also)
+
+    def with_also(self, also: jax.Array | None) -> DrawnMask:
+        """The same draw with `also` in another layout (a kernel's own)."""
+        return DrawnMask(self.cone, self.inputs, self.keys, self.full, self.dtype,
+                         self.keep_when, also)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.full
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    def tree_flatten(self):
+        return (self.inputs, self.also), (self.cone, self.keys, self.full, str(self.dtype),
+                                          self.keep_when)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        cone, keys, full, dtype, keep_when = aux
+        inputs, also = children
+        return cls(cone, tuple(inputs), keys, full, dtype, keep_when, also)
+
+    def tile(self, q_start, q_size: int, k_start, k_size: int) -> jax.Array:
+        """[B, Hq, q_size, k_size] of the drawn operand at queries q_start.., keys
+        k_start.. (without `also`, which the caller applies in its own layout)."""
+        shape = (*self.full[:2], q_size, k_size)
+        values = [jax.random.wrap_key_data(x, impl="threefry2x32") if k else x
+                  for x, k in zip(self.inputs, self.keys)]
+
+        def draw(key_data):
+            return tile_bits(key_data, self.full, q_start, q_size, k_start, k_size)
+
+        (out,) = _evaluate(self.cone, (), values, self.full, shape, draw)
+        out = out if self.keep_when or out.dtype != jnp.bool_ else ~out
+        # Past the end (a kernel's padding) the program has no value: 0 there, never the
+        # inf or NaN a multiplier could take, which would reach the padding's zeros.
+        rows = jnp.asarray(q_start) + lax.iota(jnp.int32, q_size) < self.full[2]
+        cols = jnp.asarray(k_start) + lax.iota(jnp.int32, k_size) < self.full[3]
+        return jnp.where(rows[:, None] & cols[None, :], out.astype(self.dtype),
+                         jnp.zeros((), self.dtype))
+
+    def dense(self) -> jax.Array:
+        """The whole operand, as the program computes it (`also` applied)."""
+        out = self.tile(0, self.full[2], 0, self.full[3])
+        return out if self.also is None else jnp.where(self.also, out, jnp.zeros((), out.dtype))
+
+
+def _evaluate(jaxpr: jaxcompat.Jaxpr, consts, args, full: tuple, tile: tuple, draw) -> list:
+    """`jaxpr` (a cone `check` accepts) on one tile: values of the program's `full` shape are
+    held as their `tile`, random bits drawn there by `draw`, the rest as they are."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, jaxcompat.Literal) else env[v]
+
+    def is_full(v) -> bool:
+        return not isinstance(v, jaxcompat.Literal) and tuple(v.aval.shape) == full
+
+    def spread(x):  # a one-element value over the tile
+        return jnp.broadcast_to(jnp.reshape(x, ()), tile)
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if eqn.primitive.name == "random_bits":
+            outs = [draw(jax.random.key_data(ins[0]))]
+        elif eqn.primitive.name in CALLS:
+            inner = eqn.params["jaxpr"]
+            outs = _evaluate(inner.jaxpr, inner.consts, ins, full, tile, draw)
+        elif any(is_full(v) for v in eqn.outvars):
+            if eqn.primitive.name == "broadcast_in_dim":
+                outs = [spread(ins[0])]
+            else:
+                outs = eqn.primitive.bind(*(x if is_full(v) else spread(x)
+                                            for x, v in zip(ins, eqn.invars)), **eqn.params)
+                outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
