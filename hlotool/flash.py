@@ -306,7 +306,7 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
                     replacements.append((site, prepare(jaxpr, site, replacement(
                         jaxpr, site, form.kernel, plan, on, index, form.backward,
                         form.recomputes), cache)))
-                    reason += form.note
+                    reason += form.note + _drawing_note(form.kernel, plan)
                     if recomputed_here(jaxpr, site):
                         reason += ("; recomputed in the backward loop from its inputs, which "
                                    "the forward loop saves in place of its probabilities")
@@ -318,6 +318,17 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
                           f"{first_line(err)})")
         reports.append(SiteReport(site.site, describe_path(closed, site.path), plan, reason))
     return Plan(Report(function, tuple(reports)), closed, replacements)
+
+
+def _drawing_note(form: lower.KernelForm, plan: Mapping[str, str | None]) -> str:
+    """Where a kernel of `plan` draws dropout's keep mask per tile, or why it reads it whole."""
+    drawers = sorted({k for k in plan.values() if k is not None and kernels.get(k).draws})
+    mask, why_not = lower.drawing(form)
+    if not drawers or (mask is None and why_not is None):
+        return ""
+    if mask is not None:
+        return f"; {'/'.join(drawers)} draws the keep mask per tile from its key"
+    return f"; {'/'.join(drawers)} reads the keep mask whole ({why_not})"
 
 
 def symbolic_dims(closed: jaxcompat.ClosedJaxpr) -> list[str]:

@@ -247,20 +247,30 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array],
     return call, After(empty, factors)
 
 
-def _drawn(form: KernelForm, values: Mapping[Any, jax.Array]) -> DrawnMask | None:
-    """The post-softmax operand as the kernel may draw it tile by tile: one drawn operand
-    (`MaskVar.drawn`, dropout's keep mask), from its keys' values, the other boolean ones
-    ANDed and read as they are; None to read it whole (beside another dropout factor, where
-    the NaN rows of a boolean one need all of it at once, or where tiles of random bits
-    cannot be drawn with this jax: `kernels.drawn.usable`)."""
+def drawing(form: KernelForm) -> tuple[MaskVar | None, str | None]:
+    """The post-softmax operand a kernel that draws (`AttentionKernel.draws`) computes tile
+    by tile: one drawn operand (`MaskVar.drawn`, dropout's keep mask), the other boolean
+    ones ANDed and read as they are; or None and why it is read whole (None: nothing drawn):
+    beside another dropout factor, where the NaN rows of a boolean one need all of it at
+    once, or where tiles of random bits cannot be drawn with this jax
+    (`kernels.drawn.usable`)."""
     chosen = [m for m in form.post_masks if m.drawn is not None]
-    if len(chosen) != 1:
+    if not chosen:
+        return None, None
+    m, others = chosen[0], tuple(o for o in form.post_masks if o is not chosen[0])
+    if len(chosen) > 1 or any(o.kind != "post" for o in others):
+        return None, "beside another factor after the softmax"
+    if form.nan_rows and (m.kind == "post" or others):
+        return None, "rows the mask may leave empty are found from all of it"
+    unusable = drawn.usable()
+    return (None, unusable) if unusable is not None else (m, None)
+
+
+def _drawn(form: KernelForm, values: Mapping[Any, jax.Array]) -> DrawnMask | None:
+    m, _ = drawing(form)
+    if m is None:
         return None
-    (m,) = chosen
     others = tuple(o for o in form.post_masks if o is not m)
-    if any(o.kind != "post" for o in others) or (form.nan_rows and (
-            m.kind == "post" or others)) or drawn.usable() is not None:
-        return None
     return DrawnMask.of(m.drawn, tuple(values[v] for v in m.drawn.invars),
                         jnp.float32 if m.kind == "dropout" else jnp.bool_, m.keep_when,
                         _all_of(others, values))

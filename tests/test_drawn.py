@@ -125,6 +125,7 @@ def test_a_flax_train_step_with_dropout_draws_the_mask_in_the_kernel():
     report = hlotool.explain(step, *args)
     (site,) = report.sites
     assert site.rewritten and site.site.dropout, str(report)
+    assert "chunked draws the keep mask per tile from its key" in site.reason
     fast = hlotool.flash_jit(step)
     assert relative_error(fast(*args), jax.jit(step)(*args)) < 1e-5
     text = str(fast.trace(*args).jaxpr)
@@ -132,6 +133,25 @@ def test_a_flax_train_step_with_dropout_draws_the_mask_in_the_kernel():
     assert "random_bits" in str(jax.make_jaxpr(step)(*args))
     assert "random_bits" not in text and "threefry2x32" in text
     assert detect_jaxpr(fast.trace(*args).jaxpr) == []
+
+
+def test_with_bits_that_depend_on_the_whole_shape_the_mask_is_read_whole():
+    """With jax_threefry_partitionable off, jax draws bits for the array as a whole: no tile
+    can be drawn alone. The kernel then reads the program's mask, says so, and the step
+    keeps its results."""
+    previous = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", False)
+    try:
+        step, args = flax_dropout_step()
+        (site,) = hlotool.explain(step, *args).sites
+        assert site.rewritten and ("chunked reads the keep mask whole "
+                                   "(jax_threefry_partitionable is off") in site.reason
+        fast = hlotool.flash_jit(step)
+        assert relative_error(fast(*args), jax.jit(step)(*args)) < 1e-5
+        text = str(fast.trace(*args).jaxpr)
+        assert "random_bits" in text and "threefry2x32" not in text
+    finally:
+        jax.config.update("jax_threefry_partitionable", previous)
 
 
 def test_a_long_dropout_step_holds_no_mask_in_memory():
