@@ -32,9 +32,8 @@ ELEMENTWISE = frozenset({
     "shift_right_logical", "shift_right_arithmetic", "shift_left", "or", "and", "xor", "not",
     "bitcast_convert_type", "convert_element_type", "add", "sub", "mul", "div", "max", "min",
     "neg", "abs", "floor", "ceil", "lt", "le", "gt", "ge", "eq", "ne", "select_n",
-    "stop_gradient",
 })
-CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+CALLS = frozenset({"jit", "pjit", "closed_call"})  # jax.jit's call ("pjit" in older jax)
 THREEFRY = "key<fry>"
 
 
