@@ -144,9 +144,10 @@ def kernel_checks() -> list[Check]:
             kernel = kernels.get(name)
         runs = "/".join(kernel.platforms)
         reason = kernel.unavailable_reason
-        if reason is None and kernel.draws and drawn.usable() is not None:
-            checks.append(Check(f"kernel {name}", WARN, f"{runs}; reads dropout masks whole: "
-                                f"{drawn.usable()}"))
+        no_tiles = drawn.usable() if kernel.draws else None
+        if reason is None and no_tiles is not None:
+            checks.append(Check(f"kernel {name}", WARN,
+                                f"{runs}; reads dropout masks whole: {no_tiles}"))
         elif reason is None:
             deprecated = getattr(kernel, "deprecated", None)
             drawing = "; draws dropout masks per tile" if kernel.draws else ""

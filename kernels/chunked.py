@@ -145,12 +145,13 @@ def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static, banded: bool = True
     return s.reshape(flat), None if visible is None else visible.reshape(flat), capped
 
 
-def _kept(p, post, i, j, st: _Static):
-    """`p` [B, Hkv, G·block_q, block_k] after the post-softmax mask (`base.post_softmax`):
-    an operand's tile, or one drawn here (`DrawnMask`, [B, Hq, ...] in head order)."""
+def _keep(post, shape: tuple[int, ...], i, j, st: _Static):
+    """Tile (i, j) of the post-softmax mask in a score tile's `shape` [B, Hkv, G·block_q,
+    block_k] (None without one): an operand's tile, or one drawn here (`DrawnMask`,
+    [B, Hq, ...] in head order). Apply it with `base.post_softmax`."""
     if post is None:
-        return p
-    b, hkv, rows, bk = p.shape
+        return None
+    b, hkv, rows, bk = shape
     if isinstance(post, DrawnMask):
         keep = post.tile(i * st.block_q, st.block_q, j * st.block_k, st.block_k)
         heads = keep.shape[1] > 1
@@ -161,7 +162,12 @@ def _kept(p, post, i, j, st: _Static):
     else:
         keep = _tile(post, i, j, st)
     keep = jnp.broadcast_to(keep, (b, hkv, rows // st.block_q, st.block_q, bk))
-    return post_softmax(p, keep.reshape(p.shape))
+    return keep.reshape(shape)
+
+
+def _kept(p, keep):
+    """`p` after the post-softmax mask tile `keep` (`_keep`; None: no mask)."""
+    return p if keep is None else post_softmax(p, keep)
 
 
 def _rows(x: jax.Array, i, st: _Static) -> jax.Array:
@@ -234,7 +240,8 @@ def _forward(q, k, v, bias, mask, keys, post, sinks, st: _Static):
             p = jnp.exp(s - shift[..., None])
             corr = jnp.exp(m - shift)
             l = l * corr + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bhqk,bhkd->bhqd", _kept(p, post, i, j, st).astype(v_j.dtype), v_j,
+            kept = _kept(p, _keep(post, p.shape, i, j, st))
+            pv = jnp.einsum("bhqk,bhkd->bhqd", kept.astype(v_j.dtype), v_j,
                             preferred_element_type=jnp.float32)
             return m_new, l, acc * corr[..., None] + pv
 
@@ -327,7 +334,8 @@ def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static
         s, visible, capped = _scores(q_i, k_j, bias, mask, keys, i, j, st, banded)
         e = jnp.exp(s - m_i[..., None])
         dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
-        ds = e * inv_l_i[..., None] * (_kept(dp, post, i, j, st) - delta_i[..., None])
+        keep = _keep(post, e.shape, i, j, st)  # once for dP and dV: a drawn one is costly
+        ds = e * inv_l_i[..., None] * (_kept(dp, keep) - delta_i[..., None])
         if visible is not None:
             ds = jnp.where(visible, ds, 0.0)
         dbias_tile = ds
@@ -335,7 +343,7 @@ def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static
             ds = ds * (1.0 - jnp.square(capped))  # d(c·tanh(x / c)) / dx
         if st.scale != 1.0:
             ds = ds * st.scale  # d(scale·q·k) w.r.t. q·k
-        dv_t = _add_keys(dv_t, jnp.einsum("bhdq,bhqk->bhdk", do_t, _kept(e, post, i, j, st)),
+        dv_t = _add_keys(dv_t, jnp.einsum("bhdq,bhqk->bhdk", do_t, _kept(e, keep)),
                          j, st)
         dk_t = _add_keys(dk_t, jnp.einsum("bhdq,bhqk->bhdk", q_t, ds,
                                           preferred_element_type=jnp.float32), j, st)

@@ -111,63 +111,53 @@ def _small(aval: Any) -> bool:
 
 
 def check(jaxpr: jaxcompat.Jaxpr, full: tuple[int, ...]) -> str | None:
-    """Why the cone `jaxpr` (inputs: keys and one-element values; one output of shape
+    """Why the cone `jaxpr` (inputs: one-element values, keys among them; one output of shape
     `full`, the scores' in the program, keys last) cannot be computed tile by tile; None
-    when it can."""
+    when it can. Values of shape `full` are the ones `_evaluate` holds as tiles: each must
+    come from random bits, from elementwise equations, or from a broadcast of one value."""
     if math.prod(full[:-1]) >= 2 ** 32 or full[-1] >= 2 ** 32:
         return f"the mask's shape {full} is beyond 32-bit rows"
-    bits = _check(jaxpr, tuple(full), [False] * len(jaxpr.invars))
-    if isinstance(bits, str):
-        return bits
-    if not bits[1]:
-        return "the mask draws no random bits of its shape"
-    if not bits[0][0]:
+    if tuple(jaxpr.outvars[0].aval.shape) != tuple(full):
         return "the mask is not of the scores' shape"
-    return None
+    found = _check(jaxpr, tuple(full))
+    if found is None:
+        return "the mask draws no random bits of its shape"
+    return None if found is True else found
 
 
-def _check(jaxpr: jaxcompat.Jaxpr, full: tuple, inputs: list[bool]
-           ) -> tuple[list[bool], bool] | str:
-    """Per output whether it is full-shape, and whether random bits are drawn; or why not."""
-    env = dict(zip(jaxpr.invars, inputs))
-    drawn = False
-
+def _check(jaxpr: jaxcompat.Jaxpr, full: tuple) -> str | bool | None:
+    """Why not (str), or whether random bits are drawn (True; None: not)."""
     def is_full(v) -> bool:
-        return not isinstance(v, jaxcompat.Literal) and env.get(v, False)
+        return not isinstance(v, jaxcompat.Literal) and tuple(v.aval.shape) == full
 
+    drawn = None
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        ins = [is_full(v) for v in eqn.invars]
         if eqn.effects:
             return f"`{name}` has effects"
         if name == "random_bits":
-            if str(eqn.invars[0].aval.dtype) != THREEFRY or eqn.invars[0].aval.shape != ():
-                return f"random bits from a {eqn.invars[0].aval.str_short()} key (not one " \
-                       "threefry key)"
+            key = eqn.invars[0].aval
+            if str(key.dtype) != THREEFRY or key.shape != ():
+                return f"random bits from a {key.str_short()} key (not one threefry key)"
             if tuple(eqn.params["shape"]) != full or eqn.params["bit_width"] != 32:
                 return f"random bits of shape {tuple(eqn.params['shape'])} (not the scores')"
-            outs, drawn = [True], True
+            drawn = True
         elif name in CALLS:
-            inner = _check(eqn.params["jaxpr"].jaxpr, full, ins)
+            inner = _check(eqn.params["jaxpr"].jaxpr, full)
             if isinstance(inner, str):
                 return inner
-            outs, drawn = inner[0], drawn or inner[1]
-        elif any(ins):
+            drawn = drawn or inner
+        elif any(is_full(v) for v in eqn.invars):
             if name not in ELEMENTWISE:
                 return f"`{name}` on the mask's values is not elementwise"
-            if any(not f and not _small(v.aval) for f, v in zip(ins, eqn.invars)):
+            if any(not is_full(v) and not _small(v.aval) for v in eqn.invars):
                 return f"`{name}` mixes the mask with a value of another shape"
-            outs = [True] * len(eqn.outvars)
-        elif name == "broadcast_in_dim" and tuple(eqn.outvars[0].aval.shape) == full:
+        elif any(is_full(v) for v in eqn.outvars):
+            if name != "broadcast_in_dim":
+                return f"`{name}` makes a value of the mask's shape"
             if not _small(eqn.invars[0].aval):
                 return "a broadcast of more than one value into the mask"
-            outs = [True]
-        elif any(tuple(v.aval.shape) == full for v in eqn.outvars):
-            return f"`{name}` makes a value of the mask's shape"
-        else:
-            outs = [False] * len(eqn.outvars)
-        env.update(zip(eqn.outvars, outs))
-    return [is_full(v) for v in jaxpr.outvars], drawn
+    return drawn
 
 
 @jax.tree_util.register_pytree_node_class
