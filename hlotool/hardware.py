@@ -42,6 +42,10 @@ class Hardware:
     contraction of D < width runs at D/width of peak).
     onchip_bytes: what one kernel instance can keep next to the compute units (VMEM per
     TensorCore, shared memory per SM, L2 per core).
+    device_kind: the chip's `jax.Device.device_kind` (TPUs: how a kernel being traced learns
+    which chip it is for; a deviceless topology's devices report the same); None elsewhere.
+    attention_block: TPUs, the largest query and key tile the TPU attention kernels (splash,
+    flash) are given on this chip, where the length allows; None elsewhere.
     """
 
     name: str
@@ -55,6 +59,8 @@ class Hardware:
     matrix_width: int
     compile_target: str | None  # hlotool.targets name XLA can compile for here; None: none
     sources: tuple[str, ...]
+    device_kind: str | None = None
+    attention_block: int | None = None
 
     def peak_flops(self, dtype: str) -> float:
         """Matmul FLOP/s for operands of `dtype` (float16 falls back to the bfloat16 figure)."""
@@ -71,10 +77,20 @@ class Hardware:
         return out
 
 
-def _tpu(name, description, bf16, hbm, bw, vmem, width, target, extra=()) -> Hardware:
+# Attention tiles per chip. 512 is the default of the TPU training stacks (axlearn's
+# `tpu_block_size`, maxtext's `sa_block_*`); on v6e, whose MXU is 256 wide, axlearn measured
+# splash attention 1/3 faster with 1024 (apple/axlearn#958) and sets it for that chip.
+_BLOCKS_512 = "axlearn FlashAttention.Config.tpu_block_size and maxtext sa_block_* default: 512"
+_BLOCKS_V6E = "apple/axlearn#958: splash block size 1024 on v6e, 1/3 faster than 512"
+
+
+def _tpu(name, description, bf16, hbm, bw, vmem, width, target, kind, block,
+         extra=()) -> Hardware:
     # TPU f32 dots at default precision run as one bf16 pass: same peak as bf16.
     return Hardware(name, description, "tpu", {"bfloat16": bf16, "float32": bf16}, hbm, bw,
-                    vmem, "VMEM per TensorCore", width, target, (_TPU_INFO, _CLOUD_TPU, *extra))
+                    vmem, "VMEM per TensorCore", width, target,
+                    (_TPU_INFO, _CLOUD_TPU, _BLOCKS_V6E if block > 512 else _BLOCKS_512,
+                     *extra), kind, block)
 
 
 def _gpu(name, description, bf16, tf32, hbm, bw, smem, source) -> Hardware:
@@ -97,15 +113,16 @@ HARDWARE: dict[str, Hardware] = {
         ),
         # tpu_info: v4 has 2 TensorCores in megacore; per chip 275 TF, 1.23 TB/s, 32 GiB.
         _tpu("tpu-v4", "TPU v4, one chip (megacore)", 2.75e14, 34_400_000_000, 1.23e12,
-             16 * _MIB, 128, None),
+             16 * _MIB, 128, None, "TPU v4", 512),
         _tpu("tpu-v5e", "TPU v5e, one chip", 1.97e14, 17_200_000_000, 8.20e11, 128 * _MIB,
-             128, "tpu-v5e"),
+             128, "tpu-v5e", "TPU v5 lite", 512),
         # tpu_info says 2.46e12 B/s for v5p; the Cloud TPU v5p page says 2,765 GB/s. The
         # lower figure is what jax's own kernels tune for, so it is the one used here.
         _tpu("tpu-v5p", "TPU v5p, one chip (megacore)", 4.59e14, 103_000_000_000, 2.46e12,
-             64 * _MIB, 128, "tpu-v5p", ("cloud.google.com/tpu/docs/v5p: 2,765 GB/s HBM",)),
+             64 * _MIB, 128, "tpu-v5p", "TPU v5", 512,
+             ("cloud.google.com/tpu/docs/v5p: 2,765 GB/s HBM",)),
         _tpu("tpu-v6e", "TPU v6e, one chip", 9.20e14, 34_400_000_000, 1.64e12, 128 * _MIB,
-             256, "tpu-v6e"),
+             256, "tpu-v6e", "TPU v6 lite", 1024),
         _gpu("a100", "NVIDIA A100 SXM 80GB", 312e12, 156e12, 80 * 10**9, 2.039e12, 164 * _KIB,
              "NVIDIA A100 datasheet (SXM4 80GB)"),
         _gpu("h100", "NVIDIA H100 SXM5 80GB", 989e12, 494.5e12, 80 * 10**9, 3.35e12,
@@ -122,3 +139,8 @@ def get_hardware(name: str | Hardware) -> Hardware:
         return name
     # "target": what the user typed it as (`hlotool cost --target h100`).
     return lookup(HARDWARE, name, "target", UnknownHardwareError)
+
+
+def for_device_kind(kind: str) -> Hardware | None:
+    """The chip whose `jax.Device.device_kind` is `kind`; None for a chip not in the table."""
+    return next((h for h in HARDWARE.values() if h.device_kind == kind), None)

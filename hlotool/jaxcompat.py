@@ -375,6 +375,21 @@ def tpu_target() -> Iterator[None]:
         yield
 
 
+def tpu_device_kind() -> str:
+    """The `device_kind` of the TPU a kernel traced now is for: the context's abstract
+    device, else the default device or backend where it is a TPU, else the chip hlotool
+    names off a TPU (`OFF_TPU_DEVICE_KIND`, the one `tpu_target` names)."""
+    named = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if named is not None and getattr(named, "platform", None) == "tpu":
+        return named.device_kind
+    device = jax.config.jax_default_device
+    if device is not None and not isinstance(device, str) and device.platform == "tpu":
+        return device.device_kind
+    if jax.default_backend() == "tpu":
+        return jax.devices()[0].device_kind
+    return OFF_TPU_DEVICE_KIND
+
+
 def for_tpu(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (a kernel that runs only on TPU, positional arguments) as a jit traced in
     `tpu_target()`, so that lowering it later, outside that context, still knows its TPU;

@@ -18,6 +18,8 @@ from types import ModuleType
 
 import jax
 
+from hlotool import jaxcompat
+from hlotool.hardware import Hardware, for_device_kind, get_hardware
 from hlotool.jaxcompat import signature_problem
 from hlotool.kernels.base import (
     AttentionKernel,
@@ -106,9 +108,22 @@ def padded_length(length: int) -> int:
     return round_up(length, LANES)
 
 
-def block_for(padded: int) -> int:
-    """Largest of 512/256/128 dividing a padded length (bigger tiles amortize grid steps)."""
-    return next(b for b in (512, 256, 128) if padded % b == 0)
+def tpu_chip(hardware: Hardware | None = None) -> Hardware:
+    """The TPU a kernel is priced or traced for: `hardware` where it is a TPU of the table,
+    else the one being traced for (`jaxcompat.tpu_device_kind`: a target's topology, an
+    attached TPU), else TPU v5e, which hlotool names off a TPU."""
+    if hardware is not None and hardware.attention_block is not None:
+        return hardware
+    return for_device_kind(jaxcompat.tpu_device_kind()) or get_hardware("tpu-v5e")
+
+
+def block_for(padded: int, chip: Hardware) -> int:
+    """The largest tile dividing a padded length, from the chip's `attention_block` halving
+    down to 128 (bigger tiles amortize grid steps; the chip bounds what pays)."""
+    block = chip.attention_block
+    while padded % block:
+        block //= 2
+    return block
 
 
 class PaddedTpuKernel(UpstreamKernel):

@@ -60,6 +60,7 @@ from jax import lax
 
 from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
+from hlotool.hardware import Hardware
 from hlotool.kernels.drawn import DrawnMask
 from hlotool.site import AttentionSite, Band, band_of
 
@@ -446,8 +447,10 @@ class AttentionKernel(abc.ABC):
         """Kernel-specific limits; reached only when the kernel is available."""
 
     @abc.abstractmethod
-    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
-        """Cost of the forward pass, or of forward plus backward when `backward`."""
+    def cost(self, site: AttentionSite, *, backward: bool = False,
+             hardware: Hardware | None = None) -> KernelCost:
+        """Cost of the forward pass, or of forward plus backward when `backward`, on
+        `hardware` (kernels whose tiles depend on the chip; None: the chip traced for)."""
 
     @abc.abstractmethod
     def _attend(self, call: Call) -> jax.Array:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hlotool.hardware import Hardware
 from hlotool.kernels.base import (
     EXTRAS,
     AttentionKernel,
@@ -443,7 +444,8 @@ class Chunked(AttentionKernel):
     def _check(self, site: AttentionSite, features: Features) -> Support:
         return Support.yes()
 
-    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
+    def cost(self, site: AttentionSite, *, backward: bool = False,
+             hardware: Hardware | None = None) -> KernelCost:
         return flash_cost(site, block_q=_block(site.q_len, self.block_q),
                           block_k=_block(site.kv_len, self.block_k), backward=backward)
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hlotool.hardware import Hardware
 from hlotool.kernels._upstream import UpstreamKernel, probe
 from hlotool.kernels.base import (
     Call,
@@ -119,7 +120,8 @@ class PallasGpuFlash(UpstreamKernel):
     def _hides_keys(self, call: Call) -> bool:
         return super()._hides_keys(call) or _plan(call.q.shape[1], call.k.shape[1])[2]
 
-    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
+    def cost(self, site: AttentionSite, *, backward: bool = False,
+             hardware: Hardware | None = None) -> KernelCost:
         lq_p, lk_p, _ = _plan(site.q_len, site.kv_len) or (site.q_len, site.kv_len, False)
         return flash_cost(site, block_q=min(_BLOCK, lq_p), block_k=min(_BLOCK, lk_p),
                           backward=backward,

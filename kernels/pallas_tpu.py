@@ -5,7 +5,8 @@ divisible by its blocks, head dims ≤ 128 or multiples of 128, an optional dens
 [B, H, Lq, Lk] and `SegmentIds`. The adapter bridges the rest:
   - layout: transposes from [B, L, H, D];
   - lengths: pads Lq and Lk up to a multiple of 128 and masks the padded keys with segment ids
-    (so L=1000 works); blocks of 512/256/128 are chosen per padded length;
+    (so L=1000 works); blocks are the largest that divide the padded length, up to the
+    chip's `attention_block` (1024 on v6e, 512 elsewhere: `hlotool.hardware`);
   - head dims: zero-pads D and Dv to one common size upstream accepts (zero columns change
     neither the scores nor the kept output columns);
   - GQA/MQA: repeats K/V heads (upstream has no grouped heads; the cost counts the copies);
@@ -36,8 +37,16 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from hlotool import jaxcompat
+from hlotool.hardware import Hardware
 from hlotool.kernels._costed import with_backward_costs
-from hlotool.kernels._upstream import LANES, PaddedTpuKernel, block_for, padded_length, probe
+from hlotool.kernels._upstream import (
+    LANES,
+    PaddedTpuKernel,
+    block_for,
+    padded_length,
+    probe,
+    tpu_chip,
+)
 from hlotool.kernels.base import (
     Call,
     Features,
@@ -93,8 +102,11 @@ class PallasTpuFlash(PaddedTpuKernel):
                               "bfloat16)")
         return soft_fill_refusal(site, features)
 
-    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
-        bq, bk = block_for(padded_length(site.q_len)), block_for(padded_length(site.kv_len))
+    def cost(self, site: AttentionSite, *, backward: bool = False,
+             hardware: Hardware | None = None) -> KernelCost:
+        chip = tpu_chip(hardware)
+        bq = block_for(padded_length(site.q_len), chip)
+        bk = block_for(padded_length(site.kv_len), chip)
         cost = flash_cost(site, block_q=bq, block_k=bk, backward=backward,
                           kv_head_repeat=site.num_q_heads // site.num_kv_heads)
         if site.mask in ("additive", "boolean"):
@@ -137,7 +149,8 @@ class PallasTpuFlash(PaddedTpuKernel):
             segment_ids = fa.SegmentIds(q=jnp.ones((b, lq_p), jnp.int32),
                                         kv=kv_ids.astype(jnp.int32))
 
-        bq, bk = block_for(lq_p), block_for(lk_p)
+        chip = tpu_chip()
+        bq, bk = block_for(lq_p, chip), block_for(lk_p, chip)
         blocks = fa.BlockSizes(
             block_q=bq, block_k_major=bk, block_k=bk, block_b=1,
             block_q_major_dkv=bq, block_k_major_dkv=bk, block_k_dkv=bk, block_q_dkv=bq,

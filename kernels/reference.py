@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hlotool.hardware import Hardware
 from hlotool.kernels.base import (
     AttentionKernel,
     EXTRAS,
@@ -36,7 +37,8 @@ class Reference(AttentionKernel):
     def _check(self, site: AttentionSite, features: Features) -> Support:
         return Support.yes()
 
-    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
+    def cost(self, site: AttentionSite, *, backward: bool = False,
+             hardware: Hardware | None = None) -> KernelCost:
         return naive_cost(site, backward=backward)
 
     def _attend(self, call: Call) -> jax.Array:

@@ -11,7 +11,8 @@ scale (q comes pre-scaled). So masks reach it in kernel terms, never as a dense 
     ids, q id 1 and kv id 1 where the key is kept, 0 where it is not; the call's own segment
     ids (packed sequences) as they are, a hidden key's id made one no query has;
   - lengths: padded up to a multiple of 128, padded keys masked with those segment ids; blocks
-    of 512/256/128 chosen per padded length;
+    the largest that divide the padded length, up to the chip's `attention_block` (1024 on
+    v6e, 512 elsewhere: `hlotool.hardware`), the chip the one traced for;
   - GQA/MQA: K/V heads stay as they are (no repeat);
   - batch: `vmap` of the per-example kernel.
 It refuses an additive bias and masks that vary along queries or heads (pallas_tpu takes
@@ -32,7 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlotool import jaxcompat
-from hlotool.kernels._upstream import PaddedTpuKernel, block_for, padded_length, probe
+from hlotool.hardware import Hardware
+from hlotool.kernels._upstream import (
+    PaddedTpuKernel,
+    block_for,
+    padded_length,
+    probe,
+    tpu_chip,
+)
 from hlotool.kernels.base import (
     Call,
     Features,
@@ -81,8 +89,11 @@ class SplashTpu(PaddedTpuKernel):
                               "causal masks and key padding; pallas_tpu takes any mask)")
         return soft_fill_refusal(site, features)
 
-    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
-        bq, bk = block_for(padded_length(site.q_len)), block_for(padded_length(site.kv_len))
+    def cost(self, site: AttentionSite, *, backward: bool = False,
+             hardware: Hardware | None = None) -> KernelCost:
+        chip = tpu_chip(hardware)
+        bq = block_for(padded_length(site.q_len), chip)
+        bk = block_for(padded_length(site.kv_len), chip)
         # Segment ids (int32, one per query and key) are all it reads beside q, k, v.
         ids = 4 * site.batch * (site.q_len + site.kv_len) * (2 if backward else 1)
         return flash_cost(site, block_q=bq, block_k=bk, backward=backward) + KernelCost(
@@ -122,7 +133,8 @@ class SplashTpu(PaddedTpuKernel):
         if call.sinks is not None:  # [B|1, Hq|1, 1, 1]: detection keeps them per head
             sinks = jnp.broadcast_to(call.sinks[:, :, 0, 0], (b, hq)).astype(jnp.float32)
 
-        bq, bk = block_for(lq_p), block_for(lk_p)
+        chip = tpu_chip()
+        bq, bk = block_for(lq_p, chip), block_for(lk_p, chip)
         blocks = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
                                block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
                                block_kv_dq=bk)

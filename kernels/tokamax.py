@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlotool import jaxcompat
+from hlotool.hardware import Hardware
 from hlotool.kernels._upstream import PaddedTpuKernel, Upstream, padded_length, probe
 from hlotool.kernels.base import (
     Call,
@@ -102,7 +103,8 @@ class Tokamax(PaddedTpuKernel):
                               "newer")
         return soft_fill_refusal(site, features)
 
-    def cost(self, site: AttentionSite, *, backward: bool = False) -> KernelCost:
+    def cost(self, site: AttentionSite, *, backward: bool = False,
+             hardware: Hardware | None = None) -> KernelCost:
         lq, lk = padded_length(site.q_len), padded_length(site.kv_len)
         cost = flash_cost(site, block_q=_BLOCK, block_k=_BLOCK, backward=backward)
         if site.mask == "boolean" or lk != site.kv_len:

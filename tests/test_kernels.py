@@ -15,7 +15,9 @@ from jax import export
 
 from hlotool import kernels
 from hlotool.errors import HlotoolError
+from hlotool.hardware import get_hardware
 from hlotool.kernels import registry
+from hlotool.kernels._upstream import block_for, tpu_chip
 from hlotool.kernels.base import flash_cost, naive_cost, visible_fraction
 from hlotool.kernels.pallas_tpu import UPSTREAM as TPU_UPSTREAM
 from hlotool.kernels.pallas_tpu import PallasTpuFlash
@@ -153,6 +155,57 @@ def test_pallas_tpu_cost_counts_repeated_gqa_heads():
     gqa, mha = tpu.cost(site(num_kv_heads=2)), tpu.cost(site())
     assert gqa.flops == mha.flops
     assert gqa.hbm_bytes > kernels.get("chunked").cost(site(num_kv_heads=2)).hbm_bytes
+
+
+def test_tpu_tiles_follow_the_chip_and_divide_the_padded_length():
+    v5e, v6e = get_hardware("tpu-v5e"), get_hardware("tpu-v6e")
+    assert [block_for(n, v5e) for n in (4096, 1536, 1152)] == [512, 512, 128]
+    assert [block_for(n, v6e) for n in (4096, 3072, 1536, 1152)] == [1024, 1024, 512, 128]
+    # Off a TPU, a kernel is traced for the chip hlotool names there (v5e).
+    assert tpu_chip() is v5e and tpu_chip(v6e) is v6e
+
+
+def _pallas_grids(jaxpr) -> list[tuple[int, ...]]:
+    """The grid of every pallas_call in `jaxpr` and the jaxprs nested in it."""
+    grids = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            grids.append(tuple(eqn.params["grid_mapping"].grid))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    grids += _pallas_grids(inner)
+    return grids
+
+
+@pytest.mark.parametrize("name, kernel", [("tpu-v5e", "splash_tpu"), ("tpu-v6e", "splash_tpu"),
+                                          ("tpu-v5e", "pallas_tpu"), ("tpu-v6e", "pallas_tpu")])
+def test_tpu_kernels_take_the_tiles_of_the_chip_they_are_lowered_for(name, kernel):
+    """At L=4096, 512-wide tiles on v5e (8 query blocks per head) and 1024 on v6e (4)."""
+    from hlotool.targets import get_target
+
+    target, length = get_target(name), 4096
+    x = jax.ShapeDtypeStruct((1, length, 8, 128), jnp.bfloat16, sharding=target.sharding())
+    with target.lowering():
+        jaxpr = jax.make_jaxpr(lambda q, k, v: kernels.get(kernel)(q, k, v, scale=0.125,
+                                                                     causal=True))(x, x, x)
+    tiles = length // get_hardware(name).attention_block
+    grids = _pallas_grids(jaxpr.jaxpr)
+    # splash: (heads, q blocks, kv blocks); flash: (batch, heads, q blocks, kv blocks).
+    attention = [g for g in grids if g[-2:] == (tiles, tiles)]
+    assert len(attention) == 1, grids
+
+
+def test_tpu_kernels_price_the_tiles_of_the_chip():
+    """v6e's 1024-wide tiles read K and V half as often as v5e's 512-wide ones."""
+    long = site(q_len=8192, kv_len=8192, head_dim=128, v_head_dim=128, dtype="bfloat16")
+    for name in ("splash_tpu", "pallas_tpu"):
+        kernel = kernels.get(name)
+        v5e, v6e = (kernel.cost(long, hardware=get_hardware(h)) for h in ("tpu-v5e", "tpu-v6e"))
+        kv_bytes = 2 * 8192 * 8 * 128 * 2
+        assert v5e.hbm_bytes - v6e.hbm_bytes == (16 - 8) * kv_bytes
+        assert v5e.flops == v6e.flops
 
 
 # --- registry ---------------------------------------------------------------------------

@@ -167,7 +167,7 @@ def analytic(
         return Figures(cost.flops, cost.transcendentals, sum(p.hbm_bytes for p in phases),
                        native_temp_bytes(site, backward=backward), 0, seconds, bound)
     if side == "kernel":
-        cost: KernelCost = kernel_for(site, hw).cost(site, backward=backward)
+        cost: KernelCost = kernel_for(site, hw).cost(site, backward=backward, hardware=hw)
         mm = _kernel_matmul_flops(site, cost, backward)
         c, m = mm / rate, cost.hbm_bytes / hw.hbm_bandwidth
         return Figures(cost.flops, cost.transcendentals, cost.hbm_bytes,
