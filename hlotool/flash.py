@@ -194,11 +194,11 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
                     out = on_mesh(kernels.get(kernel).run, call, mesh)
                     return lower.restore(site, out, after)
 
-                if not form.checks:
+                if not form.checked:
                     return attend(name, call, after)
-                # A bias read as a mask, where the reading is exact at this call; else the
-                # bias as it is, in the exact kernel (or the site's own equations where no
-                # kernel form has it).
+                # A bias read as a mask, or a -inf fill for a repeated post-softmax mask,
+                # where the reading is exact at this call; else the site as it is, in the
+                # exact kernel (or its own equations where no kernel form has it).
                 if form.fallback is None:
                     def slow():
                         return own(values)
@@ -306,7 +306,8 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
                     replacements.append((site, prepare(jaxpr, site, replacement(
                         jaxpr, site, form.kernel, plan, on, index, form.backward,
                         form.recomputes), cache)))
-                    reason += form.note + _drawing_note(form.kernel, plan)
+                    reason += form.note + _repeat_note(form.kernel) + _drawing_note(form.kernel,
+                                                                                    plan)
                     if recomputed_here(jaxpr, site):
                         reason += ("; recomputed in the backward loop from its inputs, which "
                                    "the forward loop saves in place of its probabilities")
@@ -318,6 +319,16 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
                           f"{first_line(err)})")
         reports.append(SiteReport(site.site, describe_path(closed, site.path), plan, reason))
     return Plan(Report(function, tuple(reports)), closed, replacements)
+
+
+def _repeat_note(form: lower.KernelForm) -> str:
+    """How the call reads a post-softmax where-mask that repeats the logits' mask."""
+    if form.hard_fill is None:
+        return ""
+    return ("; its where(mask, p, 0) after the softmax repeats the logits' mask: left out, "
+            "hidden keys at -inf, where every row sees a key and the fill "
+            f"{form.hard_fill:g} leaves them no weight (checked per call; else the site as it "
+            "is, in chunked)")
 
 
 def _drawing_note(form: lower.KernelForm, plan: Mapping[str, str | None]) -> str:

@@ -65,9 +65,11 @@ class AttentionSite:
     mask_axes: str | None = None
     # Logit soft-capping c·tanh(x / c) between the scale and the masks (Gemma 2): c, or None.
     softcap: float | None = None
-    # `where(mask, softmax(...), 0)` after the softmax (Keras' masked softmax).
+    # `where(mask, softmax(...), 0)` after the softmax (Keras' masked softmax), its mask not
+    # drawn from random bits.
     post_mask: bool = False
-    # `softmax(...) * (keep / keep_prob)`, keep a random boolean mask (dropout in training).
+    # Dropout on the probabilities, keep a mask drawn from random bits: `softmax(...) *
+    # (keep / keep_prob)` (flax, HF) or `where(keep, softmax(...) / keep_prob, 0)` (Keras).
     dropout: bool = False
     # A constant the probabilities are multiplied by after the softmax, which the output
     # takes instead (Keras' dropout: `where(keep, p / keep_prob, 0)`); None without one.

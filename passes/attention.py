@@ -33,6 +33,7 @@ from hlotool.passes.graph import (
     Graph,
     Node,
     compares_with_constant,
+    drawn_from_bits,
     fold,
     strip,
     uniform_value,
@@ -180,6 +181,10 @@ class MaskTerm:
     # Read from an additive select(m, 0, F) (`_bias_as_mask`): hidden keys get s + F, which
     # is F when |s| is below half F's ulp; `lower` checks that at run time.
     rounds_to_fill: bool = False
+    # kind "post": its mask is one a select of the logits hid keys with (Keras' masked
+    # softmax), so it only zeroes keys already hidden: where every row sees a key and the
+    # fill leaves hidden keys no weight, a no-op; `lower` checks that at run time.
+    repeats: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,6 +419,8 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
 
     scale = q_scale * k_scale
     masks, steps, beside = [], [], []
+    drawn_keep: set[int] = set()  # post-softmax where-masks drawn from random bits
+    selects = []  # (predicate, keep_when, layout) of each select hiding logits
     biases = sum(link.kind == "bias" for link in logits_links)
     masked, exact_step = False, None  # exact_step: a bias read as a mask, as the bias it is
     last = None  # "sinks" or "shift" once one is seen: only layout ops (and a shift) follow
@@ -460,6 +467,9 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
             read_as_mask = (_bias_as_mask(link, labels_here, roles, position, scores)
                             if link.kind == "bias" and biases == 1 and not masked else None)
             masked = masked or link.kind == "mask"
+            if link.kind == "mask":
+                selects.append((link.sides[0], (link.chain_input == 1,
+                                                roles.layout(node.shape, labels_here, "BHLK"))))
             if read_as_mask:
                 exact = _mask_term(link, labels_here, roles)
                 beside.append(dataclasses.replace(exact, kind="exact_bias"))
@@ -491,10 +501,15 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
                 raise _Reject("a where(mask, p, 0) after the softmax whose mask is computed "
                               "from the scores")
             labels_here = _follow(probs_links[at + 1:], logits_labels)
+            if drawn_from_bits(pred):  # Keras' dropout: select(keep, p / keep_prob, 0)
+                drawn_keep.add(id(link.node))
+            layout, keep_when = (roles.layout(link.node.shape, labels_here, "BHLK"),
+                                 link.chain_input == 1)
             beside.append(MaskTerm("post", link.node, pred,
-                                   _broadcast_shape(pred, len(link.node.shape)),
-                                   roles.layout(link.node.shape, labels_here, "BHLK"),
-                                   keep_when=link.chain_input == 1))
+                                   _broadcast_shape(pred, len(link.node.shape)), layout,
+                                   keep_when=keep_when,
+                                   repeats=any(_same_value(pred, p) and (keep_when, layout) == k
+                                               for p, k in selects)))
             continue
         if link.kind != "post":
             continue
@@ -571,8 +586,10 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         mask_fill=chain.fill if chain.refusal is None and chain.masks else None,
         mask_axes=_varying_axes([t for t in masks if t.kind in ("additive", "boolean")]),
         multiplier_shape=multipliers[0].shape if multipliers else None,
-        softcap=chain.softcap, post_mask=any(t.kind == "post" for t in beside),
-        dropout=any(t.kind == "dropout" for t in beside),
+        softcap=chain.softcap,
+        post_mask=any(t.kind == "post" and id(t.at) not in drawn_keep and not t.repeats
+                      for t in beside),
+        dropout=any(t.kind == "dropout" or id(t.at) in drawn_keep for t in beside),
         out_scale=None if out_factor == 1.0 else out_factor,
         sinks=sinks is not None, window=window,
         segments=any(t.kind == "segment_q" for t in masks),
@@ -593,6 +610,18 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         logits=chain, multipliers=tuple(multipliers), body=_body(out, stops),
         internals=internals, out_factor=out_factor,
     )
+
+
+def _same_value(a: Node, b: Node) -> bool:
+    """Whether `a` and `b` hold the same array: one node, or the same layout ops (op, params,
+    shape) of one node (jnp.where broadcasts its mask anew at each call)."""
+    while a is not b:
+        if (a.op not in LAYOUT_OPS or (a.op, a.shape) != (b.op, b.shape)
+                or len(a.inputs) != 1 or len(b.inputs) != 1
+                or repr(sorted(a.params.items())) != repr(sorted(b.params.items()))):
+            return False
+        a, b = a.inputs[0], b.inputs[0]
+    return True
 
 
 def from_bits(factor: Node) -> bool:

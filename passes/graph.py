@@ -260,3 +260,24 @@ def uniform_value(node: Node) -> float | None:
     if value.size > 1 and not np.all(value == first):
         return None
     return float(first)
+
+
+# jax.random.uniform moves random bits into a float's mantissa with a bitcast; in HLO that
+# bitcast is what names the draw, the threefry loop before it keeping no name.
+_BITCASTS = frozenset({"bitcast_convert_type", "bitcast-convert"})
+
+
+def drawn_from_bits(node: Node, limit: int = 64) -> bool:
+    """Whether `node` is computed from random bits: within `limit` values of its cone, an op
+    that draws them (jaxpr) or unsigned integers bitcast to floats (both front ends)."""
+    seen, stack = set(), [node]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op in RANDOM_OPS or (n.op in _BITCASTS and n.inputs
+                                  and n.inputs[0].dtype.startswith("uint")):
+            return True
+        stack.extend(n.inputs)
+    return False

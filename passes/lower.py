@@ -31,6 +31,7 @@ import numpy as np
 from hlotool.kernels.base import (
     Call,
     Features,
+    hiding_is_exact,
     make_call,
     row_has_key,
     score_bound,
@@ -77,6 +78,16 @@ class KernelForm:
     # no kernel form has it, a bias before a soft-cap say; then the site's own equations).
     checks: tuple[tuple[float, str, float], ...] = ()
     fallback: KernelForm | None = None
+    # The program's fill, where a post-softmax where-mask repeating a mask of the logits
+    # (`MaskTerm.repeats`) is left out and hidden keys get -inf instead: exact at a call
+    # where every row sees a key and keys at this fill weigh below float32 resolution
+    # (`reads_as_mask`); else `fallback`, the site as it is.
+    hard_fill: float | None = None
+
+    @property
+    def checked(self) -> bool:
+        """Whether a call must pass `reads_as_mask` to run this form (else `fallback`)."""
+        return bool(self.checks) or self.hard_fill is not None
 
     @property
     def features(self) -> Features:
@@ -110,6 +121,7 @@ class KernelForm:
                 tuple(var_free(m) for m in self.multipliers),
                 tuple(var_free(m) for m in self.post_masks),
                 None if self.sinks is None else var_free(self.sinks), self.checks,
+                self.hard_fill,
                 tuple(var_free(m) for m in self.segments or ()),
                 None if self.fallback is None else self.fallback.signature())
 
@@ -132,6 +144,12 @@ def lower(site: JaxprSite) -> KernelForm:
         exact = chain.exact
         fallback = None if exact is None or exact.refusal is not None else _form(site, exact)
         form = dataclasses.replace(form, checks=checks, fallback=fallback)
+    repeats = {id(m) for t, m in zip(site.match.masks, site.masks) if t.repeats}
+    if repeats:
+        form = dataclasses.replace(
+            form, post_masks=tuple(m for m in form.post_masks if id(m) not in repeats),
+            fill=-math.inf, nan_rows=False, hard_fill=form.fill,
+            fallback=form.fallback if form.checks else form)
     return form
 
 
@@ -160,8 +178,9 @@ def _form(site: JaxprSite, chain) -> KernelForm:
 
 
 def reads_as_mask(form: KernelForm, call: Call) -> jax.Array:
-    """bool scalar: whether every bias `form` reads as a mask (`KernelForm.checks`) computes
-    what the program does at this call, outputs and gradients:
+    """bool scalar: whether every bias `form` reads as a mask (`KernelForm.checks`), and the
+    -inf fill it gives in place of a repeated post-softmax mask (`KernelForm.hard_fill`),
+    compute what the program does at this call, outputs and gradients:
       - its hidden keys get exactly F: |C·q·k| ≤ C·max‖q‖·max‖k‖ (Cauchy-Schwarz, with room
         for the program's own rounding of q·k) stays below half of F's ulp, so s + F rounds
         to F; false on non-finite inputs, which the additive form handles as the program does;
@@ -177,6 +196,10 @@ def reads_as_mask(form: KernelForm, call: Call) -> jax.Array:
         if fill == -math.inf:
             continue  # s + -inf is -inf for any finite s
         ok = ok & (2.0 * scale * bound < half_ulp(fill, dtype))
+    if form.hard_fill is not None:
+        # The post mask zeroes what keys at the fill add to the output, not what they add
+        # to the normalizer: nothing representable when they weigh below resolution.
+        ok = ok & hiding_is_exact(dataclasses.replace(call, fill=form.hard_fill), -math.inf)
     return ok
 
 

@@ -244,16 +244,18 @@ def test_attention_sinks_get_their_gradient_through_the_kernel():
 
 def test_keras_attention_dropout_in_training():
     """Keras' dropout on the probabilities (`where(keep, p / keep_prob, 0)`, its keep mask
-    drawn from the seed generator's state): the mask is a post-softmax mask and 1 /
-    keep_prob a factor the kernel's output takes. No TPU Pallas kernel takes a mask after
-    the softmax, so the chunked kernel runs there too. It draws the keep mask itself, tile by
-    tile, with the bits the program's draw has there (kernels/drawn.py), and reads Keras'
-    attention mask, which Keras applies after the softmax too, as it is."""
+    drawn from the seed generator's state): dropout, and 1 / keep_prob a factor the kernel's
+    output takes. No TPU Pallas kernel takes dropout, so the chunked kernel runs there too.
+    It draws the keep mask itself, tile by tile, with the bits the program's draw has there
+    (kernels/drawn.py). Keras applies its causal mask after the softmax again: that repeat
+    is left out where every row sees a key, as each causal row does."""
     step, args = keras_attention_step(dropout=0.1)
     report = hlotool.explain(step, *args)
     (site,) = report.sites
     assert site.rewritten and site.kernels["cpu"] == "chunked", str(report)
-    assert site.site.post_mask and site.site.out_scale == pytest.approx(1 / 0.9)
+    assert not site.site.post_mask and site.site.out_scale == pytest.approx(1 / 0.9)
+    assert site.site.dropout and "dropout" in site.site.variants
+    assert "after the softmax repeats the logits' mask: left out" in site.reason
     fast = hlotool.flash_jit(step)
     assert relative_error(fast(*args), jax.jit(step)(*args)) < 1e-5
     assert detect_jaxpr(fast.trace(*args).jaxpr) == []

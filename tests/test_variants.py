@@ -95,8 +95,9 @@ def gpt_oss(q, k, v, attn_mask, sinks, window=64):
 # (model, softcap, post_mask, sinks, mask kind)
 MODELS = [
     (gemma2, 50.0, False, False, "boolean"),
-    (keras_masked_softmax, None, True, False, "boolean"),
-    (keras_dropout, None, True, False, "boolean"),
+    # Keras' where(mask, p, 0) repeats the logits' mask: no post-softmax mask of its own.
+    (keras_masked_softmax, None, False, False, "boolean"),
+    (keras_dropout, None, False, False, "boolean"),
     (gpt_oss, None, False, True, "boolean"),
 ]
 IDS = [m[0].__name__ for m in MODELS]
@@ -125,6 +126,10 @@ def test_each_variant_is_one_site_with_its_features_in_both_front_ends(
                                                                  debug_info=True))
     for s in (site.site, from_hlo):
         assert (s.softcap, s.post_mask, s.sinks, s.mask) == (softcap, post_mask, sinks, kind)
+        # Keras' dropout is a where-mask drawn from random bits: dropout, besides its masked
+        # softmax's where-mask.
+        assert s.dropout == (model is keras_dropout)
+        assert ("dropout" in s.variants) == (model is keras_dropout)
         assert (s.q_len, s.kv_len, s.num_q_heads, s.num_kv_heads) == (L, L, H, KV)
         # Keras' dropout divides the probabilities by keep_prob: the output takes the factor.
         assert s.out_scale == (pytest.approx(1 / 0.9) if model is keras_dropout else None)
@@ -251,13 +256,64 @@ def test_a_dense_mask_argument_keeps_gpt_oss_off_splash_and_says_so():
     assert "splash_tpu skipped: a boolean mask varying along BQK" in site.reason
 
 
+def post_mask_only(q, k, v, attn_mask, sinks):
+    """A mask applied after the softmax alone: it zeroes keys the softmax weighed."""
+    k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)
+    probs = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q * D ** -0.5, k), axis=-1)
+    probs = jnp.where(attn_mask[:, None, :, :], probs, 0.0)
+    return jnp.einsum("bnts,bsnh->btnh", probs.astype(v.dtype), v)
+
+
 def test_a_post_softmax_mask_runs_in_the_chunked_kernel_on_tpu_saying_why():
-    report = hlotool.explain(keras_masked_softmax, *_long_args())
+    report = hlotool.explain(post_mask_only, *_long_args())
     (site,) = report.sites
+    assert site.site.post_mask
     assert site.kernels["tpu"] == "chunked"
     assert ("splash_tpu skipped: a mask applied after the softmax unsupported (splash_tpu has "
             "none)") in site.reason
     assert "pallas_tpu skipped: a mask applied after the softmax unsupported" in site.reason
+
+
+def test_keras_masked_softmax_exports_to_splash_its_repeated_mask_left_out():
+    """KerasHub's Gemma: keras' Softmax(mask) hides keys with where(mask, s, -1e9) and zeroes
+    them again after the softmax. The second where is left out (hidden keys at -inf where the
+    call shows that changes nothing), so the causal and padding mask reaches splash."""
+    fn = causal_padded(keras_masked_softmax, jnp.array([LONG, 1500]))
+    args = _long_args()
+    (site,) = hlotool.explain(fn, *args).sites
+    assert not site.site.post_mask and site.kernels["tpu"] == "splash_tpu", site.reason
+    assert "after the softmax repeats the logits' mask: left out" in site.reason
+    text = _tpu_export(hlotool.flash_jit(fn), *args)
+    (operands,) = _kernel_operands(text)
+    assert "splash_mha_fwd" in text and not _dense(operands), operands
+
+
+def _softly_masked(fill):
+    """keras' masked softmax with the logits' mask at `fill`, repeated after the softmax."""
+    def fn(q, k, v, attn_mask, sinks):
+        k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)
+        scores = jnp.einsum("btnh,bsnh->bnts", q * D ** -0.5, k)
+        mask = attn_mask[:, None, :, :]
+        probs = jax.nn.softmax(jnp.where(mask, scores, fill), axis=-1)
+        return jnp.einsum("bnts,bsnh->btnh", jnp.where(mask, probs, 0.0), v)
+    return fn
+
+
+@pytest.mark.parametrize("fill, empty_row", [(-1e9, False), (-1e9, True), (-1.0, False)])
+def test_a_repeated_post_softmax_mask_is_left_out_only_where_that_is_exact(fill, empty_row):
+    """Left out where every row sees a key and keys at the fill weigh nothing; a row with no
+    visible key (the program gives it zeros) or a soft fill (hidden keys still weigh in the
+    normalizer) sends the call to the site as it is. Outputs and gradients within 1e-5."""
+    fn, args = _softly_masked(fill), inputs(empty_row=empty_row)
+    (site,) = hlotool.explain(fn, *args, kernel="chunked").sites
+    assert site.rewritten and "repeats the logits' mask" in site.reason
+    got = _value_and_grads(hlotool.flash_jit(fn, kernel="chunked"))(*args)
+    want = _value_and_grads(fn)(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert float(jnp.max(jnp.abs(g - w))) <= 1e-5 * max(float(jnp.max(jnp.abs(w))), 1e-30)
+    if fill == -1.0:  # reading the fill as -inf there would be far off
+        far = _value_and_grads(_softly_masked(-jnp.inf))(*args)[1]
+        assert float(jnp.max(jnp.abs(far - want[1]))) > 1e-2
 
 
 def test_tpu_kernels_take_what_their_supports_says():
