@@ -30,6 +30,7 @@ from hlotool.passes import axes, masks
 from hlotool.passes.logits import Logits, half_ulp, replay
 from hlotool.passes.graph import (
     LAYOUT_OPS,
+    RANDOM_OPS,
     Graph,
     Node,
     compares_with_constant,
@@ -612,15 +613,27 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     )
 
 
-def _same_value(a: Node, b: Node) -> bool:
-    """Whether `a` and `b` hold the same array: one node, or the same layout ops (op, params,
-    shape) of one node (jnp.where broadcasts its mask anew at each call)."""
-    while a is not b:
-        if (a.op not in LAYOUT_OPS or (a.op, a.shape) != (b.op, b.shape)
-                or len(a.inputs) != 1 or len(b.inputs) != 1
-                or repr(sorted(a.params.items())) != repr(sorted(b.params.items()))):
+def _same_value(a: Node, b: Node, budget: int = 256) -> bool:
+    """Whether `a` and `b` hold the same array: one node, or the same deterministic op
+    (op, params, shape, dtype) of the same values, down to equal constants and iotas
+    (jnp.where broadcasts and negates its mask anew at each call, and a causal mask may be
+    built twice). False past `budget` pairs of nodes compared."""
+    seen, stack = set(), [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if x is y or (id(x), id(y)) in seen:
+            continue
+        seen.add((id(x), id(y)))
+        if (len(seen) > budget or x.op in RANDOM_OPS or x.op == "parameter"
+                or (x.op, x.shape, x.dtype, len(x.inputs)) != (y.op, y.shape, y.dtype,
+                                                               len(y.inputs))
+                or repr(sorted(x.params.items())) != repr(sorted(y.params.items()))):
             return False
-        a, b = a.inputs[0], b.inputs[0]
+        if not x.inputs:  # a constant or an iota: the same where their values are
+            vx, vy = fold(x), fold(y)
+            if vx is None or vy is None or not np.array_equal(vx, vy):
+                return False
+        stack.extend(zip(x.inputs, y.inputs))
     return True
 
 

@@ -97,7 +97,9 @@ class Program:
     manual_softmax: bool = False
     lookalike: str = ""
     head_mask: str = ""  # "" | "ones" (a constant) | "data" (an argument): einsum(p, m[h])
-    post_mask: str = ""  # "" | "same" (the first mask step's operand) | "data" | "mirrored"
+    # "" | "same" (the first mask step's operand) | "data" | "mirrored" | "repeat" (the
+    # predicate the last mask step selects with, as it did: Keras' masked softmax)
+    post_mask: str = ""
     sinks: bool = False  # a sink logit per head, concatenated, dropped after the softmax
     shift: bool = False  # s - stop_gradient(max(s)) before the softmax
     dropout: bool = False  # p * bernoulli(key, 0.8).astype / 0.8 after the softmax (HF, flax)
@@ -260,7 +262,10 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
         args.append(jax.random.PRNGKey(p.seed))
     first_mask = next((i for kind, at, i in extra if kind == "mask"
                        and not p.steps[at].mask.startswith("segments")), None)
-    if p.post_mask in ("data", "mirrored") or (p.post_mask == "same" and first_mask is None):
+    repeated = next((at for at in reversed(range(len(p.steps)))
+                     if p.steps[at].kind == "mask"), None)
+    if p.post_mask in ("data", "mirrored") or (p.post_mask == "same" and first_mask is None) \
+            or (p.post_mask == "repeat" and repeated is None):
         extra.append(("post_mask", -3, len(args)))
         args.append(jnp.asarray(rng.random((p.b, 1, p.lq, p.lk)) < 0.8))
     operand = {at: i for _, at, i in extra}
@@ -279,6 +284,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             qm = q.transpose(0, 2, 1, 3).reshape(p.b * p.hq, p.lq, p.d)
             km = k.transpose(0, 2, 1, 3).reshape(p.b * p.hq, p.lk, p.d)
             s = jnp.einsum("nqd,nkd->nqk", qm, km).reshape(p.b, p.hq, p.lq, p.lk)
+        selected = None  # (predicate, mirrored) of the last mask step
         for at, step in enumerate(p.steps):
             if step.kind == "scale":
                 c = _rounded(step.value, dt)
@@ -302,6 +308,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                     s = s + bias.astype(s.dtype)
                 else:
                     s = jnp.where(~m, fill, s) if step.mirrored else jnp.where(m, s, fill)
+                    selected = (m, step.mirrored)
             elif step.kind == "bias":
                 s = s + ops[operand[at] - 3]
             elif step.kind == "softcap":
@@ -332,7 +339,10 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
         if p.dropout:
             keep = jax.random.bernoulli(ops[operand[-4] - 3], 0.8, w.shape)
             w = w * (keep.astype(w.dtype) / jnp.asarray(0.8, w.dtype))
-        if p.post_mask:
+        if p.post_mask == "repeat" and selected is not None:
+            m, mirrored = selected
+            w = jnp.where(~m, 0.0, w) if mirrored else jnp.where(m, w, 0.0)
+        elif p.post_mask:
             m = ops[operand[-3] - 3]
             w = jnp.where(~m, 0.0, w) if p.post_mask == "mirrored" else jnp.where(m, w, 0.0)
         if p.head_mask:
@@ -403,7 +413,7 @@ def programs(draw) -> Program:
         manual_softmax=draw(st.booleans()),
         lookalike=draw(st.sampled_from(("",) * 8 + LOOKALIKES)),
         head_mask=draw(st.sampled_from(("",) * 6 + ("ones", "data"))),
-        post_mask=draw(st.sampled_from(("",) * 5 + ("same", "data", "mirrored"))),
+        post_mask=draw(st.sampled_from(("",) * 5 + ("same", "data", "mirrored", "repeat"))),
         sinks=draw(st.sampled_from((False,) * 3 + (True,))),
         shift=draw(st.sampled_from((False,) * 3 + (True,))),
         dropout=draw(st.sampled_from((False,) * 4 + (True,))),
