@@ -8,6 +8,7 @@ would pass the cap is not started and shows as "OOM (needs ≈X GB)".
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --lengths 1024,2048 --cap-gb 8
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --mask window:512 --lengths 8192
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --rates --mask causal --lengths 4096,8192
+    JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --breakdown --mask causal --lengths 4096
 
 `--rates` prints, instead, the chunked kernel's forward and backward rate against this machine's
 own matmul rate on attention blocks ([8,512,64]×[8,64,512], then [8,512,512]×[8,512,64], in a
@@ -15,6 +16,12 @@ loop), measured in the same process, each kernel call right after a matmul call,
 phases of a shared machine hit both; the ratios are medians over --repeats such pairs. Only the
 visible (unmasked) work counts: 2 matmuls per visible query-key pair forward, 5 backward (the
 score recompute, dP, dV, dK, dQ; the FlashAttention papers' 2.5×), each 2·D flops.
+
+`--breakdown` prints where the chunked kernel's forward and backward spend their time: XLA:CPU's
+own per-op trace (`jax.profiler`, a Perfetto trace), each op's time summed over --repeats calls
+and put in one class by what its fused computation does (a dot: matmul; else an exponential:
+exp; else a reduce: reduce; else only copies, slices, transposes, broadcasts: data movement;
+else elementwise), as a share of the ops' total.
 
 Shapes: B=1, H=8, D=64, float32, q/k/v [B, L, H, D]; `--mask` none (default), causal, or
 window:W (causal, each query sees its W most recent keys, as Mistral): the naive side applies
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -50,7 +58,7 @@ def _child(impl: str, mode: str, length: int, repeats: int, cap: int, mask: str)
     kernel = get("reference" if impl == "naive" else "chunked")
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(key, (B, length, H, D), jnp.float32) for key in keys)
-    window = int(mask.split(":")[1]) if mask.startswith("window:") else None
+    window = _window(mask)
     if impl == "naive":
         def attend(q, k, v):  # the plain formula, as a user writes it
             s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D**-0.5
@@ -81,6 +89,28 @@ def _child(impl: str, mode: str, length: int, repeats: int, cap: int, mask: str)
             "peak_bytes": peak}
 
 
+def _window(mask: str) -> int | None:
+    return int(mask.split(":")[1]) if mask.startswith("window:") else None
+
+
+def _chunked_call(length: int, mask: str):
+    """The chunked kernel under `mask` as attend(q, k, v), and random q, k, v, dO."""
+    import jax
+    import jax.numpy as jnp
+
+    from hlotool.kernels import get
+
+    kernel, window = get("chunked"), _window(mask)
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v, do = (jax.random.normal(key, (B, length, H, D), jnp.float32) for key in keys)
+
+    def attend(q, k, v):
+        return kernel(q, k, v, scale=D**-0.5, causal=mask != "none",
+                      window=None if window is None else (window - 1, 0))
+
+    return attend, (q, k, v, do)
+
+
 def _rates(length: int, repeats: int, cap: int, mask: str) -> dict:
     """Median ratios of the chunked kernel's forward and backward rate to the block-matmul
     rate, each kernel call paired with a matmul call just before it."""
@@ -89,16 +119,8 @@ def _rates(length: int, repeats: int, cap: int, mask: str) -> dict:
     import jax.numpy as jnp
     from jax import lax
 
-    from hlotool.kernels import get
-
-    kernel = get("chunked")
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, k, v, do = (jax.random.normal(key, (B, length, H, D), jnp.float32) for key in keys)
-    window = int(mask.split(":")[1]) if mask.startswith("window:") else None
-
-    def attend(q, k, v):
-        return kernel(q, k, v, scale=D**-0.5, causal=mask != "none",
-                      window=None if window is None else (window - 1, 0))
+    attend, (q, k, v, do) = _chunked_call(length, mask)
+    window = _window(mask)
 
     _, vjp = jax.vjp(attend, q, k, v)
     forward, backward = jax.jit(attend), jax.jit(lambda vjp, do: vjp(do))
@@ -138,22 +160,108 @@ def _rates(length: int, repeats: int, cap: int, mask: str) -> dict:
                for name in ("fwd", "bwd")}}
 
 
-def _print_rates(args, cap: int) -> None:
-    print(f"B={B} H={H} D={D} float32, mask {args.mask}: GFLOP/s of visible work; ratios to "
-          f"the block-matmul rate, medians of {args.repeats} paired runs; {os.cpu_count()} CPUs")
-    header = ("L", "block mm", "fwd", "fwd/mm", "bwd", "bwd/mm")
-    widths = (6, 9, 6, 7, 6, 7)
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)), flush=True)
+# What an XLA:CPU op does (`_op_classes`), by the opcodes of its fused computation: the first
+# class whose opcodes it has, else data movement if it has only those, else elementwise.
+_CLASSES = ("matmul", "exp", "reduce", "data movement", "elementwise")
+_MARKS = {"matmul": {"dot", "convolution"}, "exp": {"exponential"}, "reduce": {"reduce"}}
+_MOVES = {"parameter", "copy", "dynamic-slice", "dynamic-update-slice", "transpose", "bitcast",
+          "broadcast", "slice", "reshape", "constant", "tuple", "get-tuple-element",
+          "concatenate", "pad"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\([^=]*?\)|\S+) ([\w\-]+)\(")
+
+
+def _op_classes(hlo: str) -> dict[str, str]:
+    """The class (`_CLASSES`) of each op of an optimized HLO module, by instruction name;
+    loops and calls, whose trace events hold their bodies' ops, have none."""
+    bodies: dict[str, list[tuple[str, str, list[str]]]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line.rstrip().endswith("{") and not line.startswith(" "):
+            words = line.split()
+            current = (words[1] if words[0] == "ENTRY" else words[0]).lstrip("%")
+            bodies[current] = []
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            bodies[current].append((m[1], m[2], re.findall(r"calls=%?([\w.\-]+)", line)))
+    classes = {}
+    for instructions in bodies.values():
+        for name, opcode, called in instructions:
+            if opcode in ("while", "conditional", "call"):
+                continue
+            ops = {op for c in called for _, op, _ in bodies.get(c, ())} or {opcode}
+            classes[name] = next((c for c in ("matmul", "exp", "reduce") if ops & _MARKS[c]),
+                                 "data movement" if ops <= _MOVES else "elementwise")
+    return classes
+
+
+def _breakdown(length: int, repeats: int, cap: int, mask: str) -> dict:
+    """Per class, the seconds per call the forward and the backward spend in XLA:CPU ops."""
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    import glob
+    import gzip
+    import tempfile
+
+    import jax
+
+    attend, (q, k, v, do) = _chunked_call(length, mask)
+
+    _, vjp = jax.vjp(attend, q, k, v)  # the backward alone, from the forward's residuals
+    out = {}
+    for name, fn, args in (("fwd", jax.jit(attend), (q, k, v)),
+                           ("bwd", jax.jit(lambda vjp, do: vjp(do)), (vjp, do))):
+        classes = _op_classes(fn.lower(*args).compile().as_text())
+        jax.block_until_ready(fn(*args))
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                for _ in range(repeats):
+                    jax.block_until_ready(fn(*args))
+            (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+            events = json.load(gzip.open(path))
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        seconds = dict.fromkeys(_CLASSES, 0.0)
+        for e in events:
+            if e.get("ph") == "X" and e.get("name") in classes:
+                seconds[classes[e["name"]]] += e.get("dur", 0) / 1e6 / repeats
+        out[name] = seconds
+    return out
+
+
+def _children(flag: str, args, cap: int):
+    """(length, result) of a child process `flag` per length, each in its own process; a
+    failed child is printed as such and skipped."""
     for length in map(int, args.lengths.split(",")):
-        cmd = [sys.executable, __file__, "--rates-child", str(length), str(args.repeats),
-               str(cap), args.mask]
+        cmd = [sys.executable, __file__, flag, str(length), str(args.repeats), str(cap),
+               args.mask]
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:80]
             print(f"{length:>6}  failed: {tail}", flush=True)
             continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        yield length, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _print_breakdown(args, cap: int) -> None:
+    names = list(_CLASSES)
+    print(f"B={B} H={H} D={D} float32, mask {args.mask}: ms per call in XLA:CPU ops by class "
+          f"(share), {args.repeats} calls traced; {os.cpu_count()} CPUs")
+    widths = (6, 5) + (15,) * len(names) + (9,)
+    header = ("L", "pass", *names, "ops ms")
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)), flush=True)
+    for length, r in _children("--breakdown-child", args, cap):
+        for name in ("fwd", "bwd"):
+            total = sum(r[name].values())
+            cells = [f"{r[name][c] * 1e3:.1f} ({r[name][c] / total:.0%})" for c in names]
+            row = (str(length), name, *cells, f"{total * 1e3:.1f}")
+            print("  ".join(c.rjust(w) for c, w in zip(row, widths)), flush=True)
+
+
+def _print_rates(args, cap: int) -> None:
+    print(f"B={B} H={H} D={D} float32, mask {args.mask}: GFLOP/s of visible work; ratios to "
+          f"the block-matmul rate, medians of {args.repeats} paired runs; {os.cpu_count()} CPUs")
+    header = ("L", "block mm", "fwd", "fwd/mm", "bwd", "bwd/mm")
+    widths = (6, 9, 6, 7, 6, 7)
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)), flush=True)
+    for length, r in _children("--rates-child", args, cap):
         row = (str(length), f"{r['mm'] / 1e9:.0f}", f"{r['fwd'][0] / 1e9:.0f}",
                f"{r['fwd'][1]:.2f}", f"{r['bwd'][0] / 1e9:.0f}", f"{r['bwd'][1]:.2f}")
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)), flush=True)
@@ -193,9 +301,18 @@ def main() -> None:
     parser.add_argument("--rates", action="store_true",
                         help="the chunked kernel's forward and backward GFLOP/s against the "
                              "block-matmul rate measured in the same process")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="where the chunked kernel's forward and backward spend their time, "
+                             "by class of XLA:CPU op (matmul, exp, reduce, data movement, "
+                             "elementwise)")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument("--rates-child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--breakdown-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.breakdown_child:
+        length, repeats, cap, mask = args.breakdown_child
+        print(json.dumps(_breakdown(int(length), int(repeats), int(cap), mask)))
+        return
     if args.rates_child:
         length, repeats, cap, mask = args.rates_child
         print(json.dumps(_rates(int(length), int(repeats), int(cap), mask)))
@@ -210,6 +327,9 @@ def main() -> None:
     cap = int(args.cap_gb * 2**30)
     if args.rates:
         _print_rates(args, cap)
+        return
+    if args.breakdown:
+        _print_breakdown(args, cap)
         return
     print(f"B={B} H={H} D={D} float32, mask {args.mask}; best of {args.repeats} after warm-up; "
           f"children capped at {args.cap_gb:g} GiB; {os.cpu_count()} CPUs")
