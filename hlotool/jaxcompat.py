@@ -350,18 +350,21 @@ except TypeError:
     _OFF_TPU_DEVICE = None
 
 
-def _tpu_named() -> bool:
-    """Whether the context already says which TPU (or, with a mesh of axes, which devices)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty:
-        return True
-    named = getattr(mesh, "abstract_device", None)
+def _named_tpu() -> str | None:
+    """The `device_kind` of the TPU the context names (its abstract device, else the default
+    device, else the default backend), or None where it names none."""
+    named = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     if named is not None and getattr(named, "platform", None) == "tpu":
-        return True
+        return named.device_kind
     device = jax.config.jax_default_device
     if device is not None and not isinstance(device, str):
-        return device.platform == "tpu"
-    return jax.default_backend() == "tpu"
+        return device.device_kind if device.platform == "tpu" else None
+    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
+
+
+def _tpu_named() -> bool:
+    """Whether the context already says which TPU (or, with a mesh of axes, which devices)."""
+    return not jax.sharding.get_abstract_mesh().empty or _named_tpu() is not None
 
 
 @contextlib.contextmanager
@@ -376,18 +379,9 @@ def tpu_target() -> Iterator[None]:
 
 
 def tpu_device_kind() -> str:
-    """The `device_kind` of the TPU a kernel traced now is for: the context's abstract
-    device, else the default device or backend where it is a TPU, else the chip hlotool
-    names off a TPU (`OFF_TPU_DEVICE_KIND`, the one `tpu_target` names)."""
-    named = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    if named is not None and getattr(named, "platform", None) == "tpu":
-        return named.device_kind
-    device = jax.config.jax_default_device
-    if device is not None and not isinstance(device, str) and device.platform == "tpu":
-        return device.device_kind
-    if jax.default_backend() == "tpu":
-        return jax.devices()[0].device_kind
-    return OFF_TPU_DEVICE_KIND
+    """The `device_kind` of the TPU a kernel traced now is for: the one the context names,
+    else the chip hlotool names off a TPU (`OFF_TPU_DEVICE_KIND`, as `tpu_target` does)."""
+    return _named_tpu() or OFF_TPU_DEVICE_KIND
 
 
 def for_tpu(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -126,6 +126,12 @@ def block_for(padded: int, chip: Hardware) -> int:
     return block
 
 
+def tiles(q_len: int, kv_len: int, hardware: Hardware | None = None) -> tuple[int, int]:
+    """(query, key) tiles of a TPU kernel for these lengths (padded to lanes) on `tpu_chip`."""
+    chip = tpu_chip(hardware)
+    return block_for(padded_length(q_len), chip), block_for(padded_length(kv_len), chip)
+
+
 class PaddedTpuKernel(UpstreamKernel):
     """An upstream TPU kernel that takes lengths padded to lanes and hides keys its own way:
     the padded keys are hidden keys too, and every call goes through `with_hidden_keys`.

@@ -42,10 +42,9 @@ from hlotool.kernels._costed import with_backward_costs
 from hlotool.kernels._upstream import (
     LANES,
     PaddedTpuKernel,
-    block_for,
     padded_length,
     probe,
-    tpu_chip,
+    tiles,
 )
 from hlotool.kernels.base import (
     Call,
@@ -104,9 +103,7 @@ class PallasTpuFlash(PaddedTpuKernel):
 
     def cost(self, site: AttentionSite, *, backward: bool = False,
              hardware: Hardware | None = None) -> KernelCost:
-        chip = tpu_chip(hardware)
-        bq = block_for(padded_length(site.q_len), chip)
-        bk = block_for(padded_length(site.kv_len), chip)
+        bq, bk = tiles(site.q_len, site.kv_len, hardware)
         cost = flash_cost(site, block_q=bq, block_k=bk, backward=backward,
                           kv_head_repeat=site.num_q_heads // site.num_kv_heads)
         if site.mask in ("additive", "boolean"):
@@ -149,8 +146,7 @@ class PallasTpuFlash(PaddedTpuKernel):
             segment_ids = fa.SegmentIds(q=jnp.ones((b, lq_p), jnp.int32),
                                         kv=kv_ids.astype(jnp.int32))
 
-        chip = tpu_chip()
-        bq, bk = block_for(lq_p, chip), block_for(lk_p, chip)
+        bq, bk = tiles(lq_p, lk_p)
         blocks = fa.BlockSizes(
             block_q=bq, block_k_major=bk, block_k=bk, block_b=1,
             block_q_major_dkv=bq, block_k_major_dkv=bk, block_k_dkv=bk, block_q_dkv=bq,

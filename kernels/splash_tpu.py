@@ -36,10 +36,9 @@ from hlotool import jaxcompat
 from hlotool.hardware import Hardware
 from hlotool.kernels._upstream import (
     PaddedTpuKernel,
-    block_for,
     padded_length,
     probe,
-    tpu_chip,
+    tiles,
 )
 from hlotool.kernels.base import (
     Call,
@@ -91,9 +90,7 @@ class SplashTpu(PaddedTpuKernel):
 
     def cost(self, site: AttentionSite, *, backward: bool = False,
              hardware: Hardware | None = None) -> KernelCost:
-        chip = tpu_chip(hardware)
-        bq = block_for(padded_length(site.q_len), chip)
-        bk = block_for(padded_length(site.kv_len), chip)
+        bq, bk = tiles(site.q_len, site.kv_len, hardware)
         # Segment ids (int32, one per query and key) are all it reads beside q, k, v.
         ids = 4 * site.batch * (site.q_len + site.kv_len) * (2 if backward else 1)
         return flash_cost(site, block_q=bq, block_k=bk, backward=backward) + KernelCost(
@@ -133,8 +130,7 @@ class SplashTpu(PaddedTpuKernel):
         if call.sinks is not None:  # [B|1, Hq|1, 1, 1]: detection keeps them per head
             sinks = jnp.broadcast_to(call.sinks[:, :, 0, 0], (b, hq)).astype(jnp.float32)
 
-        chip = tpu_chip()
-        bq, bk = block_for(lq_p, chip), block_for(lk_p, chip)
+        bq, bk = tiles(lq_p, lk_p)
         blocks = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
                                block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
                                block_kv_dq=bk)

@@ -22,7 +22,7 @@ from collections import defaultdict, deque
 from typing import Any, Sequence
 
 from hlotool.passes.attention import Match, from_bits, rejection
-from hlotool.passes.graph import LAYOUT_OPS, RANDOM_OPS, Graph, Node, uniform_value
+from hlotool.passes.graph import LAYOUT_OPS, Graph, Node, drawn_from_bits, uniform_value
 
 # Ops the logits chain may hold between the scores' dot and the exp.
 _CHAIN = LAYOUT_OPS | {"mul", "div", "add", "sub", "select", "max", "neg", "reduce_max", "tanh",
@@ -155,22 +155,8 @@ def _probs_blocker(user: Node, prev: Node) -> str:
         return "a where() after the softmax that does not zero what it drops"
     if user.op in ("mul", "div") and len(user.inputs) == 2:
         other = user.inputs[1] if user.inputs[0] is prev else user.inputs[0]
-        if _derives_from_random(other):
+        if drawn_from_bits(other):
             return "random values multiply the probabilities (not dropout's keep / keep_prob)"
         return ("the probabilities are multiplied by a tensor after the softmax (a head mask "
                 "or dropout)")
     return f"a {user.op} between the softmax and the value dot"
-
-
-def _derives_from_random(node: Node, depth: int = 12) -> bool:
-    stack, seen = [(node, 0)], set()
-    while stack:
-        n, d = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        if n.op in RANDOM_OPS:
-            return True
-        if d < depth:
-            stack.extend((i, d + 1) for i in n.inputs)
-    return False

@@ -47,12 +47,13 @@ def gemma2(q, k, v, attn_mask, sinks):
     return encoded.reshape(q.shape[0], q.shape[1], H, D)
 
 
-def keras_masked_softmax(q, k, v, attn_mask, sinks):
-    """keras `Softmax()(scores, mask)` inside a KerasHub attention layer."""
+def keras_masked_softmax(q, k, v, attn_mask, sinks, fill=-1e9):
+    """keras `Softmax()(scores, mask)` inside a KerasHub attention layer (keras hides keys
+    at -1e9; other fills for the tests of that reading)."""
     k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)
     scores = jnp.einsum("btnh,bsnh->bnts", q * D ** -0.5, k)
     mask = attn_mask[:, None, :, :]
-    scores = jnp.where(mask, scores, -1e9)
+    scores = jnp.where(mask, scores, fill)
     outputs = jax.nn.softmax(scores, axis=-1)
     outputs = jnp.where(mask, outputs, 0.0)
     return jnp.einsum("bnts,bsnh->btnh", outputs.astype(v.dtype), v)
@@ -288,23 +289,12 @@ def test_keras_masked_softmax_exports_to_splash_its_repeated_mask_left_out():
     assert "splash_mha_fwd" in text and not _dense(operands), operands
 
 
-def _softly_masked(fill):
-    """keras' masked softmax with the logits' mask at `fill`, repeated after the softmax."""
-    def fn(q, k, v, attn_mask, sinks):
-        k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)
-        scores = jnp.einsum("btnh,bsnh->bnts", q * D ** -0.5, k)
-        mask = attn_mask[:, None, :, :]
-        probs = jax.nn.softmax(jnp.where(mask, scores, fill), axis=-1)
-        return jnp.einsum("bnts,bsnh->btnh", jnp.where(mask, probs, 0.0), v)
-    return fn
-
-
 @pytest.mark.parametrize("fill, empty_row", [(-1e9, False), (-1e9, True), (-1.0, False)])
 def test_a_repeated_post_softmax_mask_is_left_out_only_where_that_is_exact(fill, empty_row):
     """Left out where every row sees a key and keys at the fill weigh nothing; a row with no
     visible key (the program gives it zeros) or a soft fill (hidden keys still weigh in the
     normalizer) sends the call to the site as it is. Outputs and gradients within 1e-5."""
-    fn, args = _softly_masked(fill), inputs(empty_row=empty_row)
+    fn, args = functools.partial(keras_masked_softmax, fill=fill), inputs(empty_row=empty_row)
     (site,) = hlotool.explain(fn, *args, kernel="chunked").sites
     assert site.rewritten and "repeats the logits' mask" in site.reason
     got = _value_and_grads(hlotool.flash_jit(fn, kernel="chunked"))(*args)
@@ -312,7 +302,7 @@ def test_a_repeated_post_softmax_mask_is_left_out_only_where_that_is_exact(fill,
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert float(jnp.max(jnp.abs(g - w))) <= 1e-5 * max(float(jnp.max(jnp.abs(w))), 1e-30)
     if fill == -1.0:  # reading the fill as -inf there would be far off
-        far = _value_and_grads(_softly_masked(-jnp.inf))(*args)[1]
+        far = _value_and_grads(functools.partial(keras_masked_softmax, fill=-jnp.inf))(*args)[1]
         assert float(jnp.max(jnp.abs(far - want[1]))) > 1e-2
 
 
