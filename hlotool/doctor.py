@@ -135,7 +135,6 @@ def hook_checks() -> list[Check]:
 
 def kernel_checks() -> list[Check]:
     from hlotool import kernels
-    from hlotool.kernels import drawn
 
     checks = []
     for name in kernels.names():
@@ -144,7 +143,7 @@ def kernel_checks() -> list[Check]:
             kernel = kernels.get(name)
         runs = "/".join(kernel.platforms)
         reason = kernel.unavailable_reason
-        no_tiles = drawn.usable() if kernel.draws else None
+        no_tiles = kernel.cannot_draw()
         if reason is None and no_tiles is not None:
             checks.append(Check(f"kernel {name}", WARN,
                                 f"{runs}; reads dropout masks whole: {no_tiles}"))

@@ -3,7 +3,7 @@
 Registry: `get(name)`, `names()`, `available()`, `select(site, platform)`; dispatcher:
 `attention(q, k, v, ..., kernel="auto")`, one traced program that lowers to the preferred kernel
 of each platform (TPU → tokamax_tpu where tokamax is installed, else splash_tpu, pallas_tpu for
-what splash refuses; CUDA → pallas_gpu; anything else → chunked), falling back down `PRIORITY`
+what splash refuses, dropout_tpu for dropout; CUDA → pallas_gpu; anything else → chunked), falling back down `PRIORITY`
 when a kernel is unavailable or refuses the shapes; `per_platform`, the one place a program
 is split by platform. `sharded.on_mesh` runs a call per shard of a mesh.
 """

@@ -61,6 +61,7 @@ from jax import lax
 from hlotool import jaxcompat
 from hlotool.errors import HlotoolError
 from hlotool.hardware import Hardware
+from hlotool.kernels import drawn
 from hlotool.kernels.drawn import DrawnMask
 from hlotool.site import AttentionSite, Band, band_of
 
@@ -430,6 +431,11 @@ class AttentionKernel(abc.ABC):
         """Why the installed jax cannot provide this kernel; None when it can."""
         return None
 
+    def cannot_draw(self) -> str | None:
+        """Why this kernel, one that `draws`, reads dropout masks whole here; None when it
+        draws them per tile (or draws nothing)."""
+        return drawn.usable() if self.draws else None
+
     def supports(self, site: AttentionSite, features: Features | None = None) -> Support:
         """Whether this kernel takes `site` (with `features`, default: the site's mask kind)."""
         if self.unavailable_reason is not None:
@@ -482,8 +488,12 @@ class AttentionKernel(abc.ABC):
             return attend(self)(call)
         from hlotool.kernels.chunked import Chunked  # the exact kernel; imports this module
 
-        return lax.cond(hiding_is_exact(call, self.hidden_logit), attend(self),
-                        attend(Chunked()), call)
+        return lax.cond(self._exact(call), attend(self), attend(Chunked()), call)
+
+    def _exact(self, call: Call) -> jax.Array:
+        """bool scalar: whether this kernel's own way of hiding keys (`hidden_logit`)
+        computes `call` within float32 resolution; where not, `run` takes the chunked one."""
+        return hiding_is_exact(call, self.hidden_logit)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

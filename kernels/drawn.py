@@ -54,10 +54,39 @@ def _mul_wide(a: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
     c0, c1 = u32(c & 0xFFFF), u32(c >> 16)
     p00, p01, p10, p11 = a0 * c0, a0 * c1, a1 * c0, a1 * c1
     mid = p01 + p10
-    mid_carry = (mid < p01).astype(u32)
+    mid_carry = jnp.where(mid < p01, u32(1), u32(0))
     low = p00 + (mid << u32(16))
-    low_carry = (low < p00).astype(u32)
+    low_carry = jnp.where(low < p00, u32(1), u32(0))
     return p11 + (mid >> u32(16)) + (mid_carry << u32(16)) + low_carry, low
+
+
+def threefry2x32(k0, k1, x0, x1) -> tuple[jax.Array, jax.Array]:
+    """jax's threefry2x32 (Salmon et al.'s 20 rounds, five key injections) in uint32
+    arithmetic alone: a Pallas TPU kernel body has no lowering of `threefry2x32_p`.
+    `unavailable()` checks it against jax's bits."""
+    u32 = jnp.uint32
+    ks = (k0, k1, k0 ^ k1 ^ u32(0x1BD11BDA))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):
+        for r in ((13, 15, 26, 6), (17, 29, 16, 24))[i % 2]:
+            x0 = x0 + x1
+            x1 = x0 ^ ((x1 << u32(r)) | (x1 >> u32(32 - r)))
+        x0, x1 = x0 + ks[(i + 1) % 3], x1 + ks[(i + 2) % 3] + u32(i + 1)
+    return x0, x1
+
+
+def position_bits(key_data, rows: jax.Array, cols: jax.Array, lk: int,
+                  in_kernel: bool = False) -> jax.Array:
+    """uint32 bits jax draws at flat positions rows·lk + cols (uint32 `rows` and `cols`,
+    broadcasting), from threefry key data [2]: with `in_kernel`, by `threefry2x32` (a kernel
+    body), else by jax's primitive."""
+    u32 = jnp.uint32
+    high, low = _mul_wide(rows, lk)
+    flat_low = low + cols
+    flat_high = high + jnp.where(flat_low < low, u32(1), u32(0))
+    fry = threefry2x32 if in_kernel else _threefry().bind
+    x1, x2 = fry(key_data[0], key_data[1], flat_high, flat_low)
+    return x1 ^ x2
 
 
 def tile_bits(key_data: jax.Array, full: tuple[int, ...], q_start, q_size: int, k_start,
@@ -70,31 +99,31 @@ def tile_bits(key_data: jax.Array, full: tuple[int, ...], q_start, q_size: int, 
     rows = (lax.broadcasted_iota(u32, (b, h, q_size, 1), 0) * u32(h)
             + lax.broadcasted_iota(u32, (b, h, q_size, 1), 1)) * u32(lq) \
         + (jnp.asarray(q_start).astype(u32) + lax.broadcasted_iota(u32, (b, h, q_size, 1), 2))
-    high, low = _mul_wide(rows, lk)
-    keys = jnp.asarray(k_start).astype(u32) + lax.iota(u32, k_size)
-    flat_low = low + keys
-    flat_high = high + (flat_low < low).astype(u32)
-    x1, x2 = _threefry().bind(key_data[0], key_data[1], flat_high, flat_low)
-    return x1 ^ x2
+    return position_bits(key_data, rows, jnp.asarray(k_start).astype(u32)
+                         + lax.iota(u32, k_size), lk)
 
 
 @functools.cache
-def unavailable() -> str | None:
-    """Why tiles of jax's random bits cannot be drawn here; None when they can."""
-    if _threefry() is None:
+def unavailable(in_kernel: bool = False) -> str | None:
+    """Why tiles of jax's random bits cannot be drawn here (`in_kernel`: by `threefry2x32`,
+    as a kernel body draws them); None when they can."""
+    if _threefry() is None and not in_kernel:
         return "jax.extend.random has no threefry2x32_p"
     shape = (2, 3, 5, 7)
 
     def both(data):
         key = jax.random.wrap_key_data(data, impl="threefry2x32")
-        return jax.random.bits(key, shape), tile_bits(data, shape, 1, 3, 2, 4)
+        rows = (lax.broadcasted_iota(jnp.uint32, (6, 3, 1), 0) * jnp.uint32(5)
+                + 1 + lax.broadcasted_iota(jnp.uint32, (6, 3, 1), 1))
+        cols = 2 + lax.iota(jnp.uint32, 4)
+        return jax.random.bits(key, shape), position_bits(data, rows, cols, 7, in_kernel)
 
     try:  # compiled and run apart: the first use may come while jax traces a program
         compiled = jax.jit(both).lower(jax.ShapeDtypeStruct((2,), jnp.uint32)).compile()
         want, got = (np.asarray(x) for x in compiled(np.array([7, 1234], np.uint32)))
     except Exception as err:  # noqa: BLE001 - any failure means: read the mask instead
         return f"drawing a tile of random bits failed ({type(err).__name__}: {err})"
-    if not np.array_equal(got, want[:, :, 1:4, 2:6]):
+    if not np.array_equal(got.reshape(2, 3, 3, 4), want[:, :, 1:4, 2:6]):
         return "jax.random.bits is not threefry2x32 of each element's flat position"
     return None
 
@@ -213,24 +242,63 @@ class DrawnMask:
         inputs, also = children
         return cls(cone, tuple(inputs), keys, full, dtype, keep_when, also)
 
+    def _values(self) -> list:
+        """The cone's inputs as the program has them (keys typed)."""
+        return [jax.random.wrap_key_data(x, impl="threefry2x32") if k else x
+                for x, k in zip(self.inputs, self.keys)]
+
     def tile(self, q_start, q_size: int, k_start, k_size: int) -> jax.Array:
         """[B, Hq, q_size, k_size] of the drawn operand at queries q_start.., keys
         k_start.. (without `also`, which the caller applies in its own layout)."""
         shape = (*self.full[:2], q_size, k_size)
-        values = [jax.random.wrap_key_data(x, impl="threefry2x32") if k else x
-                  for x, k in zip(self.inputs, self.keys)]
+        values = self._values()
 
         def draw(key_data):
             return tile_bits(key_data, self.full, q_start, q_size, k_start, k_size)
 
         (out,) = _evaluate(self.cone, (), values, self.full, shape, draw)
+        return self._finish(out, q_start, q_size, k_start, k_size)
+
+    def boundary(self) -> list:
+        """What the cone's tile equations read from its other equations (keys as key data),
+        computed here, outside a kernel body; `block` takes it in one."""
+        found = _Boundary(inner=False)
+        _evaluate(self.cone, (), self._values(), self.full, (1, 1), None, found)
+        return found.values
+
+    def block(self, boundary: list, b, h, q_start, q_size: int, k_start, k_size: int
+              ) -> jax.Array:
+        """[q_size, k_size] of the operand for batch b and head h at queries q_start.., keys
+        k_start.. (int32 scalars: a kernel's program ids), in a kernel body: the tile
+        equations alone, on `boundary` (`DrawnMask.boundary`), the bits by `threefry2x32`."""
+        u32 = jnp.uint32
+        nb, nh, lq, lk = self.full
+        b = jnp.zeros((), u32) if nb == 1 else jnp.asarray(b).astype(u32)
+        h = jnp.zeros((), u32) if nh == 1 else jnp.asarray(h).astype(u32)
+        shape = (q_size, k_size)
+        rows = ((b * u32(nh) + h) * u32(lq) + jnp.asarray(q_start).astype(u32)
+                + lax.broadcasted_iota(jnp.int32, shape, 0).astype(u32))
+        cols = jnp.asarray(k_start).astype(u32) + lax.broadcasted_iota(jnp.int32, shape, 1
+                                                                      ).astype(u32)
+
+        def draw(key_data):
+            return position_bits(key_data, rows, cols, lk, in_kernel=True)
+
+        (out,) = _evaluate(self.cone, (), [None] * len(self.inputs), self.full, shape, draw,
+                           _Boundary(inner=True, values=boundary))
+        return self._finish(out, q_start, q_size, k_start, k_size)
+
+    def _finish(self, out: jax.Array, q_start, q_size: int, k_start, k_size: int) -> jax.Array:
+        """A tile of the cone's output as the operand: the kernel's keep value, its dtype,
+        and 0 past the end (a kernel's padding: the program has no value there, and the inf
+        or NaN a multiplier could take would reach the padding's zeros)."""
         out = out if self.keep_when or out.dtype != jnp.bool_ else ~out
-        # Past the end (a kernel's padding) the program has no value: 0 there, never the
-        # inf or NaN a multiplier could take, which would reach the padding's zeros.
-        rows = jnp.asarray(q_start) + lax.iota(jnp.int32, q_size) < self.full[2]
-        cols = jnp.asarray(k_start) + lax.iota(jnp.int32, k_size) < self.full[3]
-        return jnp.where(rows[:, None] & cols[None, :], out.astype(self.dtype),
-                         jnp.zeros((), self.dtype))
+        shape = (q_size, k_size)
+        inside = ((jnp.asarray(q_start) + lax.broadcasted_iota(jnp.int32, shape, 0)
+                   < self.full[2])
+                  & (jnp.asarray(k_start) + lax.broadcasted_iota(jnp.int32, shape, 1)
+                     < self.full[3]))
+        return jnp.where(inside, out.astype(self.dtype), jnp.zeros((), self.dtype))
 
     def dense(self) -> jax.Array:
         """The whole operand, as the program computes it (`also` applied)."""
@@ -238,9 +306,28 @@ class DrawnMask:
         return out if self.also is None else jnp.where(self.also, out, jnp.zeros((), out.dtype))
 
 
-def _evaluate(jaxpr: jaxcompat.Jaxpr, consts, args, full: tuple, tile: tuple, draw) -> list:
+class _Boundary:
+    """The one-element values (and keys, as key data) a cone's tile equations read from its
+    other equations, in the order a walk reads them: `outer` walks record them (run outside
+    a kernel), `inner` walks take them back (in a kernel body, which runs the tile
+    equations alone)."""
+
+    def __init__(self, inner: bool, values: list | None = None):
+        self.inner, self.values = inner, list(values or [])
+        self._next = 0
+
+    def take(self):
+        value = self.values[self._next]
+        self._next += 1
+        return value
+
+
+def _evaluate(jaxpr: jaxcompat.Jaxpr, consts, args, full: tuple, tile: tuple, draw,
+              boundary: _Boundary | None = None) -> list:
     """`jaxpr` (a cone `check` accepts) on one tile: values of the program's `full` shape are
-    held as their `tile`, random bits drawn there by `draw`, the rest as they are."""
+    held as their `tile`, random bits drawn there by `draw` (from key data), the rest as
+    they are. With a `boundary`, one side only (see `_Boundary`); the other side's values
+    are None."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -250,18 +337,35 @@ def _evaluate(jaxpr: jaxcompat.Jaxpr, consts, args, full: tuple, tile: tuple, dr
     def is_full(v) -> bool:
         return not isinstance(v, jaxcompat.Literal) and tuple(v.aval.shape) == full
 
-    def spread(x):  # a one-element value over the tile
-        return jnp.broadcast_to(jnp.reshape(x, ()), tile)
+    def spread(x):  # a one-element value over the tile (a kernel body holds it as a scalar)
+        return jnp.broadcast_to(x if jnp.ndim(x) == 0 else jnp.reshape(x, ()), tile)
 
     for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        on_tile = name == "random_bits" or any(is_full(v) for v in eqn.outvars)
         ins = [read(v) for v in eqn.invars]
-        if eqn.primitive.name == "random_bits":
-            outs = [draw(jax.random.key_data(ins[0]))]
-        elif eqn.primitive.name in CALLS:
+        if boundary is not None and on_tile and name not in CALLS:
+            for n, v in enumerate(eqn.invars):
+                if is_full(v) or isinstance(v, jaxcompat.Literal):
+                    continue
+                if not boundary.inner:
+                    boundary.values.append(jax.random.key_data(ins[n])
+                                           if name == "random_bits" else ins[n])
+                else:
+                    ins[n] = boundary.take()
+            if not boundary.inner:
+                env.update((v, None) for v in eqn.outvars)
+                continue
+        elif boundary is not None and boundary.inner and name not in CALLS:
+            env.update((v, None) for v in eqn.outvars)
+            continue
+        if name == "random_bits":
+            outs = [draw(ins[0] if boundary is not None else jax.random.key_data(ins[0]))]
+        elif name in CALLS:
             inner = eqn.params["jaxpr"]
-            outs = _evaluate(inner.jaxpr, inner.consts, ins, full, tile, draw)
+            outs = _evaluate(inner.jaxpr, inner.consts, ins, full, tile, draw, boundary)
         elif any(is_full(v) for v in eqn.outvars):
-            if eqn.primitive.name == "broadcast_in_dim":
+            if name == "broadcast_in_dim":
                 outs = [spread(ins[0])]
             else:
                 outs = eqn.primitive.bind(*(x if is_full(v) else spread(x)

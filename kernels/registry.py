@@ -14,6 +14,7 @@ import jax
 
 from hlotool.kernels.base import AttentionKernel, CallOptions, Features, KernelError, make_call
 from hlotool.kernels.chunked import Chunked
+from hlotool.kernels.dropout_tpu import DropoutTpu
 from hlotool.kernels.pallas_gpu import PallasGpuFlash
 from hlotool.kernels.pallas_tpu import PallasTpuFlash
 from hlotool.kernels.reference import Reference
@@ -23,7 +24,7 @@ from hlotool.kernels.tokamax import installed as tokamax_installed
 from hlotool.site import AttentionSite
 
 _KERNELS: dict[str, AttentionKernel] = {
-    k.name: k for k in (SplashTpu(), PallasTpuFlash(), PallasGpuFlash(), Chunked(),
+    k.name: k for k in (SplashTpu(), PallasTpuFlash(), DropoutTpu(), PallasGpuFlash(), Chunked(),
                         Reference(), Tokamax("tpu"), Tokamax("cuda"))
 }
 
@@ -32,11 +33,12 @@ _KERNELS: dict[str, AttentionKernel] = {
 # there. Where it is not installed it is left out, so reasons do not list it as skipped.
 # Splash comes before flash on TPU: it takes causal masks, key padding, soft-caps, sinks and
 # grouped K/V heads without a dense bias or repeated heads; flash takes biases and arbitrary
-# masks (as a dense bias), as their `supports` say.
+# masks (as a dense bias), as their `supports` say; dropout_tpu takes dropout, which neither
+# has.
 # tokamax_gpu is never preferred (see hlotool.kernels.tokamax); asked for by name, it says why.
 _TOKAMAX = ("tokamax_tpu",) if tokamax_installed() else ()
 PRIORITY: dict[str, tuple[str, ...]] = {
-    "tpu": (*_TOKAMAX, "splash_tpu", "pallas_tpu", "chunked", "reference"),
+    "tpu": (*_TOKAMAX, "splash_tpu", "pallas_tpu", "dropout_tpu", "chunked", "reference"),
     "cuda": ("pallas_gpu", "chunked", "reference"),
     "default": ("chunked", "reference"),
 }

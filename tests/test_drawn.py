@@ -125,7 +125,7 @@ def test_a_flax_train_step_with_dropout_draws_the_mask_in_the_kernel():
     report = hlotool.explain(step, *args)
     (site,) = report.sites
     assert site.rewritten and site.site.dropout, str(report)
-    assert "chunked draws the keep mask per tile from its key" in site.reason
+    assert "chunked/dropout_tpu draws the keep mask per tile from its key" in site.reason
     fast = hlotool.flash_jit(step)
     assert relative_error(fast(*args), jax.jit(step)(*args)) < 1e-5
     text = str(fast.trace(*args).jaxpr)
@@ -144,7 +144,7 @@ def test_with_bits_that_depend_on_the_whole_shape_the_mask_is_read_whole():
     try:
         step, args = flax_dropout_step()
         (site,) = hlotool.explain(step, *args).sites
-        assert site.rewritten and ("chunked reads the keep mask whole "
+        assert site.rewritten and ("chunked/dropout_tpu reads the keep mask whole "
                                    "(jax_threefry_partitionable is off") in site.reason
         fast = hlotool.flash_jit(step)
         assert relative_error(fast(*args), jax.jit(step)(*args)) < 1e-5

@@ -163,6 +163,41 @@ def test_gpt2_in_training_mode_keeps_its_attention_dropout_exactly():
     assert np.max(np.abs(grads[1] - grads[0])) / np.max(np.abs(grads[0])) < 1e-5
 
 
+def test_gpt2_in_training_mode_exports_the_dropout_kernel_for_tpu():
+    """Neither splash nor flash takes dropout: on TPU GPT-2's training-mode attention (causal,
+    padding, dropout) runs hlotool's own Pallas kernel, which draws the keep mask in the
+    kernel. The export of a gradient holds its forward, dK/dV and dQ calls per layer, none of
+    them with an [L, L] operand."""
+    from test_rewrite_models import tpu_custom_calls
+
+    t = transformers
+    length = 512  # the shortest keys "auto" rewrites
+    model = t.FlaxGPT2Model(t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                          n_positions=length, attn_pdrop=0.25))
+    ids = jnp.zeros((B, length), jnp.int32)
+    mask = jnp.ones((B, length), jnp.int32).at[1, 400:].set(0)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
+    rng = jax.random.PRNGKey(7)
+
+    def hidden(params, ids, attention_mask, rng):
+        return model(ids, attention_mask=attention_mask, params=params, dropout_rng=rng,
+                     train=True).last_hidden_state
+
+    report = hlotool.explain(hidden, model.params, ids, mask, rng)
+    assert [s.kernels["tpu"] for s in report.sites] == ["dropout_tpu"] * 2, str(report)
+    fast = hlotool.flash_jit(hidden)
+    grad = jax.export.export(jax.jit(jax.grad(
+        lambda p, i, m, r: jnp.sum(fast(p, i, m, r) ** 2))), platforms=["tpu"])(
+            params, ids, mask, rng).mlir_module()
+    # The layers' identical kernels lower to one function each, called per layer.
+    calls = [ln for ln in grad.splitlines() if "stablehlo.custom_call @tpu_custom_call" in ln]
+    assert len(calls) == 3
+    assert tpu_custom_calls(hidden, params, ids, mask, rng) == 2
+    assert all(f"{length}x{length}x" not in c.rsplit(" : (", 1)[1] for c in calls)
+    assert all(name in grad for name in ("dropout_tpu_forward", "dropout_tpu_dkv",
+                                         "dropout_tpu_dq"))
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_optax_train_step_through_a_causal_lm_is_rewritten(name):
     """An AdamW step with `value_and_grad` inside, through a padded batch: both layers'

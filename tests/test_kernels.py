@@ -212,10 +212,10 @@ def test_tpu_kernels_price_the_tiles_of_the_chip():
 
 
 def test_registry_lists_and_selects():
-    assert kernels.names() == ["splash_tpu", "pallas_tpu", "pallas_gpu", "chunked", "reference",
-                               "tokamax_tpu", "tokamax_gpu"]
-    assert kernels.available() == ["splash_tpu", "pallas_tpu", "pallas_gpu", "chunked",
-                                   "reference"] + (["tokamax_tpu"] if tokamax_installed() else [])
+    assert kernels.names() == ["splash_tpu", "pallas_tpu", "dropout_tpu", "pallas_gpu",
+                               "chunked", "reference", "tokamax_tpu", "tokamax_gpu"]
+    assert kernels.available() == ["splash_tpu", "pallas_tpu", "dropout_tpu", "pallas_gpu",
+                                   "chunked", "reference"] + (["tokamax_tpu"] if tokamax_installed() else [])
     k, why = kernels.select(site(), "tpu")
     assert (k.name, why) == ("splash_tpu", "splash_tpu for tpu")
     k, why = kernels.select(site(mask="additive"), "tpu")
@@ -228,7 +228,17 @@ def test_registry_lists_and_selects():
     assert (k.name, why) == ("chunked", "chunked for tpu (splash_tpu skipped: a mask applied "
                                         "after the softmax unsupported (splash_tpu has none); "
                                         "pallas_tpu skipped: a mask applied after the softmax "
-                                        "unsupported (pallas_tpu has none))")
+                                        "unsupported (pallas_tpu has none); dropout_tpu "
+                                        "skipped: a mask applied after the softmax unsupported "
+                                        "(dropout_tpu has none))")
+    k, why = kernels.select(site(dropout=True, mask="causal"), "tpu")
+    assert (k.name, why) == ("dropout_tpu", "dropout_tpu for tpu (splash_tpu skipped: dropout "
+                                            "on the probabilities unsupported (splash_tpu has "
+                                            "none); pallas_tpu skipped: dropout on the "
+                                            "probabilities unsupported (pallas_tpu has none))")
+    assert not kernels.get("dropout_tpu").supports(site())
+    k, _ = kernels.select(site(dropout=True, mask="additive"), "tpu")
+    assert k.name == "chunked"
     k, why = kernels.select(site(), "cpu")
     assert k.name == "chunked"
     k, why = kernels.select(site(mask="additive"), "cuda")

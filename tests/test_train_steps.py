@@ -520,11 +520,9 @@ def test_scan_over_layers_without_checkpoint_recomputes_in_the_backward_loop(dro
 
     assert saved_scores(jax.make_jaxpr(step)(*args).jaxpr)  # what the native program keeps
     assert saved_scores(traced) == []
-    if dropout:  # no TPU Pallas kernel draws dropout: the chunked kernel runs there
-        # and draws the keep mask itself, per tile, in both loops (kernels/drawn.py).
+    if dropout:  # the kernels draw the keep mask themselves, per tile, in both loops
+        # (kernels/drawn.py): on CPU chunked, on TPU dropout_tpu.
         assert "random_bits" not in str(traced) and "threefry2x32" in str(traced)
-        assert all("chunked for tpu (splash_tpu skipped: dropout" in s.reason
-                   for s in report.sites), str(report)
-        return
+        assert all(s.kernels["tpu"] == "dropout_tpu" for s in report.sites), str(report)
     # The forward loop's kernel; in the backward loop's body: forward again, dq, dk/dv.
     assert tpu_custom_calls(step, *args) == 1 + TPU_CALLS_PER_SITE
