@@ -26,9 +26,11 @@ output and each row's log-sum-exp. Backward, from the log-sum-exp (P = exp(S - l
   - dK, dV: grid (B, Hkv, k blocks, G·q blocks), the G query heads of a K/V head in turn;
     dV += (P⊙Z)ᵀ·dO, dS = P ⊙ (dO·Vᵀ ⊙ Z - δ), dK += scale · dSᵀ·Q, with δ = rowsum(dO ⊙ O);
   - dQ: grid (B, Hq, q blocks, k blocks), dQ += scale · dS·K.
+A boolean mask after the softmax is the multiplier 0 or 1 (Keras' dropout and masked softmax
+write `where(keep, p, 0)`): drawn where it comes from random bits, else read as f32 tiles.
 It takes no bias, masks beyond key padding, window, segment ids, soft-cap or sinks (dropout
-with those runs in the chunked kernel), and no site without dropout (splash and flash take
-those).
+with those runs in the chunked kernel), and no site without dropout or a mask after the
+softmax (splash and flash take those).
 
 Off a TPU it runs in Pallas' interpret mode (`interpret=True`, what the tests use); staged for
 a TPU it is traced through `jaxcompat.for_tpu` like the upstream kernels. Checked here: its
@@ -424,7 +426,9 @@ class DropoutTpu(AttentionKernel):
 
     name = "dropout_tpu"
     platforms = ("tpu",)
-    extras = frozenset({"dropout"})
+    # A boolean mask after the softmax is a multiplier of 0 and 1: Keras writes its dropout
+    # so (`where(keep, p / keep_prob, 0)`), and its masked softmax.
+    extras = frozenset({"dropout", "post_mask"})
     draws = True
     # It gives hidden keys -inf: exact under the default fill; under a finite one only where
     # `_exact` shows the difference is below float32 resolution.
@@ -434,9 +438,9 @@ class DropoutTpu(AttentionKernel):
         self.interpret = interpret
 
     def _check(self, site: AttentionSite, features: Features) -> Support:
-        if not features.dropout:
-            return Support.no("no dropout (this kernel exists for dropout; splash and flash "
-                              "take the rest)")
+        if not (features.dropout or features.post_mask):
+            return Support.no("neither dropout nor a mask after the softmax (this kernel "
+                              "exists for those; splash and flash take the rest)")
         if site.dtype not in ("float32", "bfloat16"):
             return Support.no(f"dtype {site.dtype} unsupported (takes float32, bfloat16)")
         if features.bias:
@@ -462,9 +466,13 @@ class DropoutTpu(AttentionKernel):
              hardware: Hardware | None = None) -> KernelCost:
         bq, bk = tiles(site.q_len, site.kv_len, hardware)
         cost = flash_cost(site, block_q=bq, block_k=bk, backward=backward)
-        # Each visited score's multiplier is drawn once forward and twice backward (dK/dV, dQ).
+        passes = 3 if backward else 1  # forward, then dK/dV and dQ
+        if site.post_mask:  # read tile by tile, as f32, by each pass
+            return cost + KernelCost(0, 0, passes * 4 * site.batch * site.num_q_heads
+                                     * site.q_len * site.kv_len, 0)
+        # Each visited score's multiplier is drawn by each pass.
         visited = cost.transcendentals // 2 if backward else cost.transcendentals
-        return cost + KernelCost(DRAW_OPS * visited * (3 if backward else 1), 0, 0, 0)
+        return cost + KernelCost(DRAW_OPS * visited * passes, 0, 0, 0)
 
     def _attend(self, call: Call) -> jax.Array:
         call = zero_invalid_keys(call)

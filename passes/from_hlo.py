@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 import numpy as np
 
@@ -34,7 +34,8 @@ _RENAMED = {
 }
 _REDUCERS = {"maximum": "reduce_max", "add": "reduce_sum"}
 # The init value that makes a reduce a plain max / sum.
-_IDENTITY = {"reduce_max": lambda v: v == -np.inf or v <= -3e38, "reduce_sum": lambda v: v == 0}
+_IDENTITY = {"reduce_max": lambda v: v == -np.inf or v <= -3e38, "reduce_sum": lambda v: v == 0,
+             "cumsum": lambda v: v == 0}
 _NUMBER = re.compile(r"-?inf|nan|true|false|[-+0-9.eE]+")
 
 
@@ -71,6 +72,10 @@ def _normalize(inst: Instruction, module: Module) -> tuple[str, dict, list[str]]
         kind = _REDUCERS.get(reducer.root.opcode) if reducer is not None else None
         if kind is not None:
             return kind, {"axes": inst.dims("dimensions")}, operands[:1]
+    if op == "reduce-window" and len(operands) == 2 and inst.called_computations:
+        cumsum = _running_sum_axis(inst, module)
+        if cumsum is not None:
+            return "cumsum", cumsum, operands[:1]
     if op == "broadcast":
         return "broadcast", {"dims": inst.dims("dimensions")}, operands
     if op == "transpose":
@@ -93,6 +98,28 @@ def _normalize(inst: Instruction, module: Module) -> tuple[str, dict, list[str]]
             int(inst.attributes.get("mantissa_bits", -1))):
         return "copy", {}, operands
     return _RENAMED.get(op, op), {}, operands
+
+
+def _running_sum_axis(inst: Instruction, module: Module) -> dict[str, Any] | None:
+    """{axis, reverse} where a reduce-window is jax's cumsum on the CPU: an add over a window
+    of the whole axis, padded by its length - 1 before it (after it: reversed), 1 elsewhere."""
+    reducer = module.computations.get(inst.called_computations[0])
+    window = re.fullmatch(r"\{size=([0-9x]+) pad=([0-9_x]+)\}", inst.attributes.get("window", ""))
+    if reducer is None or reducer.root.opcode != "add" or window is None:
+        return None
+    sizes = [int(x) for x in window.group(1).split("x")]
+    pads = [tuple(int(y) for y in x.split("_")) for x in window.group(2).split("x")]
+    dims = tuple(inst.shape.dims)
+    summed = [a for a, size in enumerate(sizes) if size != 1]
+    if len(summed) != 1 or len(sizes) != len(dims):
+        return None
+    (axis,) = summed
+    n = dims[axis]
+    if sizes[axis] != n or any(p != (0, 0) for a, p in enumerate(pads) if a != axis):
+        return None
+    if pads[axis] not in ((n - 1, 0), (0, n - 1)):
+        return None
+    return {"axis": axis, "reverse": pads[axis] == (0, n - 1)}
 
 
 def _source(inst: Instruction) -> str:

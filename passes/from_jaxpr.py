@@ -152,6 +152,8 @@ def _normalize(eqn: jaxcompat.JaxprEqn) -> tuple[str, dict[str, Any], tuple[int,
                       "strides": tuple(p["strides"]) if p.get("strides") else None}, None
     if prim == "concatenate":
         return prim, {"axis": int(p["dimension"])}, None
+    if prim == "cumsum":
+        return prim, {"axis": int(p["axis"]), "reverse": bool(p["reverse"])}, None
     if prim == "integer_pow":
         return prim, {"y": p["y"]}, None
     if prim in jaxcompat.MANUAL_CASTS:

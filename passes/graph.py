@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Iterator
 
+import ml_dtypes
 import numpy as np
 
 # Unary ops that only move, cast or relabel data: the pattern looks through them.
@@ -188,7 +189,9 @@ _COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equ
 
 
 def _np_dtype(dtype: str) -> Any:
-    return np.dtype("float32") if dtype in ("bfloat16", "float16") else np.dtype(dtype)
+    """The numpy dtype a value is folded in: the program's own, so each folded op rounds as
+    the program's does (bfloat16 counts exactly only up to 256)."""
+    return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
 
 
 def _fold(node: Node, memo: dict) -> np.ndarray | None:

@@ -4,7 +4,8 @@ Folding a mask to its values (`graph.fold`) costs Lq·Lk and is refused beyond a
 `jnp.tril(jnp.ones((L, L), bool))` would stop being causal at exactly the lengths flash
 attention exists for. Here the mask's expression is evaluated symbolically instead: every
 value is an affine form over the indices of its array (`iota` along axis d is index d, and so
-is a constant arange such as `jnp.array(range(L))`; adds, subtracts, scalings, broadcasts and
+is a constant arange such as `jnp.array(range(L))`, and a running sum of ones, as keras
+counts positions; adds, subtracts, scalings, broadcasts and
 static slices keep it affine), comparisons of two affine forms are half-planes (`abs(form) <= c` is two),
 and `and` / `or` / `not` / `select` of constants combine them. A predicate that comes out as
 a conjunction of half-planes `lo <= j - i <= hi` over the query axis i and key axis j is a
@@ -119,7 +120,27 @@ def _arange(node: Node) -> Affine | None:
     return Affine(tuple(coef), float(flat[0]))
 
 
+# The largest integer each dtype holds exactly, and every smaller one: an iota or a running
+# sum in bfloat16 stops counting at 256, so its affine reading would be wrong beyond.
+_EXACT_UP_TO = {"bfloat16": 2 ** 8, "float16": 2 ** 11, "float32": 2 ** 24, "float64": 2 ** 53,
+                "int8": 2 ** 7 - 1, "uint8": 2 ** 8 - 1, "int16": 2 ** 15 - 1,
+                "uint16": 2 ** 16 - 1, "int32": 2 ** 31 - 1, "uint32": 2 ** 32 - 1,
+                "int64": 2 ** 63 - 1, "uint64": 2 ** 64 - 1}
+
+
 def _eval(node: Node, budget: list[int]) -> Value | None:
+    """The symbolic value of `node`; None where it is not one of the forms, or where an
+    affine form takes values its dtype does not hold exactly (folding decides there)."""
+    value = _eval_unchecked(node, budget)
+    if isinstance(value, Affine):
+        largest = abs(value.const) + sum(abs(c) * (n - 1) for c, n in zip(value.coef,
+                                                                           node.shape))
+        if largest > _EXACT_UP_TO.get(node.dtype, 0):
+            return None
+    return value
+
+
+def _eval_unchecked(node: Node, budget: list[int]) -> Value | None:
     budget[0] -= 1
     if budget[0] < 0:
         return None
@@ -162,6 +183,16 @@ def _eval(node: Node, budget: list[int]) -> Value | None:
                           form.const + sum(c * s0 for c, s0 in zip(form.coef, start)))
 
         return _relabel(_eval(node.inputs[0], budget), shifted)
+    if op == "cumsum":
+        # The running sum of a constant c is c·(index + 1) (reversed: c·(n - index)): keras'
+        # causal mask compares two such counts of ones.
+        inner = _eval(node.inputs[0], budget)
+        if not isinstance(inner, Const):
+            return None
+        axis, c = node.params["axis"], float(inner.value)
+        coef = [0.0] * rank
+        coef[axis] = -c if node.params["reverse"] else c
+        return Affine(tuple(coef), c * node.shape[axis] if node.params["reverse"] else c)
     if op == "abs":
         inner = _eval(node.inputs[0], budget)
         if isinstance(inner, Const):

@@ -80,6 +80,16 @@ def test_a_mask_read_whole_gives_what_the_drawn_one_gives():
     assert relative_error(read, drawn_result) < 1e-6
 
 
+def test_a_boolean_mask_after_the_softmax_is_a_multiplier_of_0_and_1():
+    """where(mask, p, 0) (Keras' masked softmax and its dropout), read per tile."""
+    rng = np.random.default_rng(6)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 160, 2, 32)), jnp.float32) for _ in range(3))
+    post = jnp.asarray(rng.random((2, 1, 160, 160)) < 0.7)
+    got = _grads(DropoutTpu(interpret=True), q, k, v, post, "float32", causal=True)
+    want = _grads(get("reference"), q, k, v, post, "float32", causal=True)
+    assert relative_error(got, want) < 1e-5
+
+
 def test_a_finite_fill_with_a_row_that_sees_no_key_runs_in_chunked():
     """Under fill -1e9 a row whose keys are all hidden weighs every key equally, each times
     its dropout multiplier: the kernel (which gives such rows 0) hands the call to the chunked
@@ -102,7 +112,7 @@ def test_a_finite_fill_with_a_row_that_sees_no_key_runs_in_chunked():
 def test_it_refuses_what_splash_and_flash_take_and_masks_it_cannot_skip():
     kernel = get("dropout_tpu")
     q = jnp.zeros((1, 128, 2, 32))
-    with pytest.raises(KernelError, match="no dropout"):
+    with pytest.raises(KernelError, match="neither dropout nor a mask after the softmax"):
         kernel(q, q, q, scale=1.0, causal=True)
     mask = drawn_mask((1, 2, 128, 128), jax.random.key(0))
     with pytest.raises(KernelError, match="additive bias unsupported"):

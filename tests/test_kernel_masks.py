@@ -53,6 +53,18 @@ def _additive_band(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
+def _cumsum_causal(reverse: bool):
+    """keras' `use_causal_mask`: positions counted by running sums of ones,
+    cumsum(ones, axis=0) >= cumsum(ones, axis=1) (reversed: Lq - i <= Lk - j)."""
+    def fn(q, k, v):
+        ones = jnp.ones((q.shape[1], k.shape[1]), jnp.int32)
+        row, col = (jax.lax.cumsum(ones, axis=a, reverse=reverse) for a in (0, 1))
+        keep = row <= col if reverse else row >= col
+        s = jnp.where(keep, jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    return fn
+
+
 # (program, lq, lk, mask kind, window)
 PROGRAMS = {
     "mistral (j <= i) & (j > i - 16)":
@@ -72,6 +84,8 @@ PROGRAMS = {
     "window past the keys' end, Lq > Lk": (_attend(lambda i, j: jnp.abs(i - j) <= 4), 160, 64,
                                            "local", (4, 4)),
     "additive band": (_additive_band, LQ, LK, "causal", (7, 0)),
+    "keras cumsum causal": (_cumsum_causal(False), LQ, LK, "causal", None),
+    "reversed cumsum causal": (_cumsum_causal(True), LQ, LK, "causal", None),
 }
 
 
@@ -90,7 +104,7 @@ def test_each_band_is_read_as_its_window_in_both_front_ends(name):
     (from_hlo,) = detect_hlo(jax.jit(fn).lower(*args).as_text(dialect="hlo", debug_info=True))
     for s in (site.site, from_hlo):
         assert (s.mask, s.window, s.mask_shape) == (kind, window, None), name
-    assert site.site.to_json()["window"] == list(window)
+    assert site.site.to_json()["window"] == (None if window is None else list(window))
 
 
 def test_an_or_of_half_planes_is_no_window():
@@ -127,6 +141,37 @@ def test_a_key_mask_broadcast_over_the_queries_is_no_band(constant, form):
         _value_and_grads(f)(*args) for f in (fn, hlotool.flash_jit(fn, kernel="chunked")))
     for w, g in zip((want, *want_grads), (got, *got_grads)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_running_sums_of_ones_are_read_as_causal_at_any_length(reverse):
+    """At L = 65536 nothing is folded: keras' counts of ones (jaxpr `cumsum`, XLA:CPU's
+    `reduce-window` over the whole axis) are read as positions in both front ends."""
+    fn = _cumsum_causal(reverse)
+    spec = jax.ShapeDtypeStruct((1, 65536, 8, 64), jnp.bfloat16)
+    (site,) = detect_jaxpr(jax.make_jaxpr(fn)(spec, spec, spec))
+    (from_hlo,) = detect_hlo(jax.jit(fn).lower(spec, spec, spec).as_text(dialect="hlo"))
+    for s in (site.site, from_hlo):
+        assert (s.mask, s.window, s.mask_shape) == ("causal", None, None)
+
+
+def test_positions_counted_in_bfloat16_are_not_read_as_causal():
+    """bfloat16 holds integers exactly only up to 256: `arange(L, dtype=bfloat16)` rounds
+    beyond, and j <= i over those rounded positions is not causal. It is read from its values
+    (a boolean mask), and the rewrite keeps the program's output."""
+    length = 640
+
+    def fn(q, k, v):
+        i = jnp.arange(length, dtype=jnp.bfloat16)[:, None]
+        j = jnp.arange(length, dtype=jnp.bfloat16)[None, :]
+        s = jnp.where(j <= i, jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    args = _inputs(length, length)
+    (site,) = detect_jaxpr(jax.make_jaxpr(fn)(*args))
+    assert (site.site.mask, site.site.window) == ("boolean", None)
+    got = hlotool.flash_jit(fn, kernel="chunked")(*args)
+    np.testing.assert_allclose(got, jax.jit(fn)(*args), rtol=1e-5, atol=1e-5)
 
 
 def test_a_window_is_read_at_any_length():

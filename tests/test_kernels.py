@@ -225,12 +225,11 @@ def test_registry_lists_and_selects():
     k, why = kernels.select(site(softcap=30.0), "tpu")
     assert (k.name, why) == ("splash_tpu", "splash_tpu for tpu")
     k, why = kernels.select(site(post_mask=True), "tpu")
-    assert (k.name, why) == ("chunked", "chunked for tpu (splash_tpu skipped: a mask applied "
-                                        "after the softmax unsupported (splash_tpu has none); "
-                                        "pallas_tpu skipped: a mask applied after the softmax "
-                                        "unsupported (pallas_tpu has none); dropout_tpu "
-                                        "skipped: a mask applied after the softmax unsupported "
-                                        "(dropout_tpu has none))")
+    assert (k.name, why) == ("dropout_tpu", "dropout_tpu for tpu (splash_tpu skipped: a mask "
+                                            "applied after the softmax unsupported (splash_tpu "
+                                            "has none); pallas_tpu skipped: a mask applied "
+                                            "after the softmax unsupported (pallas_tpu has "
+                                            "none))")
     k, why = kernels.select(site(dropout=True, mask="causal"), "tpu")
     assert (k.name, why) == ("dropout_tpu", "dropout_tpu for tpu (splash_tpu skipped: dropout "
                                             "on the probabilities unsupported (splash_tpu has "

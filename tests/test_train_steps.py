@@ -245,14 +245,16 @@ def test_attention_sinks_get_their_gradient_through_the_kernel():
 def test_keras_attention_dropout_in_training():
     """Keras' dropout on the probabilities (`where(keep, p / keep_prob, 0)`, its keep mask
     drawn from the seed generator's state): dropout, and 1 / keep_prob a factor the kernel's
-    output takes. No TPU Pallas kernel takes dropout, so the chunked kernel runs there too.
-    It draws the keep mask itself, tile by tile, with the bits the program's draw has there
-    (kernels/drawn.py). Keras applies its causal mask after the softmax again: that repeat
-    is left out where every row sees a key, as each causal row does."""
+    output takes. The kernels draw the keep mask themselves, tile by tile, with the bits the
+    program's draw has there (kernels/drawn.py): chunked on CPU, dropout_tpu on TPU, whose
+    export holds its forward and backward calls. Keras' causal mask counts positions with
+    cumsum (read as causal at any length) and is applied after the softmax again: that
+    repeat is left out where every row sees a key, as each causal row does."""
     step, args = keras_attention_step(dropout=0.1)
     report = hlotool.explain(step, *args)
     (site,) = report.sites
     assert site.rewritten and site.kernels["cpu"] == "chunked", str(report)
+    assert (site.site.mask, site.kernels["tpu"]) == ("causal", "dropout_tpu"), str(report)
     assert not site.site.post_mask and site.site.out_scale == pytest.approx(1 / 0.9)
     assert site.site.dropout and "dropout" in site.site.variants
     assert "after the softmax repeats the logits' mask: left out" in site.reason
@@ -261,6 +263,7 @@ def test_keras_attention_dropout_in_training():
     assert detect_jaxpr(fast.trace(*args).jaxpr) == []
     text = str(fast.trace(*args).jaxpr)
     assert "threefry2x32" in text and "random_bits" not in text
+    assert tpu_custom_calls(step, *args) == TPU_CALLS_PER_SITE
 
 
 def test_flax_linen_bfloat16():

@@ -265,11 +265,13 @@ def post_mask_only(q, k, v, attn_mask, sinks):
     return jnp.einsum("bnts,bsnh->btnh", probs.astype(v.dtype), v)
 
 
-def test_a_post_softmax_mask_runs_in_the_chunked_kernel_on_tpu_saying_why():
+def test_a_post_softmax_mask_runs_in_the_dropout_kernel_on_tpu_saying_why():
+    """where(mask, p, 0) is p times a 0/1 multiplier: hlotool's dropout kernel reads it per
+    tile; splash and flash take none."""
     report = hlotool.explain(post_mask_only, *_long_args())
     (site,) = report.sites
     assert site.site.post_mask
-    assert site.kernels["tpu"] == "chunked"
+    assert site.kernels["tpu"] == "dropout_tpu"
     assert ("splash_tpu skipped: a mask applied after the softmax unsupported (splash_tpu has "
             "none)") in site.reason
     assert "pallas_tpu skipped: a mask applied after the softmax unsupported" in site.reason
