@@ -33,6 +33,7 @@ process's CPU seconds (all threads), which other load on a shared machine inflat
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -240,10 +241,16 @@ def _children(flag: str, args, cap: int):
         yield length, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _machine() -> str:
+    """CPUs and jax version: XLA:CPU's code for the same kernel differs between jax versions
+    (a row max ran 10× slower in jax 0.9.0's than in 0.10.2's)."""
+    return f"{os.cpu_count()} CPUs, jax {importlib.metadata.version('jax')}"
+
+
 def _print_breakdown(args, cap: int) -> None:
     names = list(_CLASSES)
     print(f"B={B} H={H} D={D} float32, mask {args.mask}: ms per call in XLA:CPU ops by class "
-          f"(share), {args.repeats} calls traced; {os.cpu_count()} CPUs")
+          f"(share), {args.repeats} calls traced; {_machine()}")
     widths = (6, 5) + (15,) * len(names) + (9,)
     header = ("L", "pass", *names, "ops ms")
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)), flush=True)
@@ -257,7 +264,7 @@ def _print_breakdown(args, cap: int) -> None:
 
 def _print_rates(args, cap: int) -> None:
     print(f"B={B} H={H} D={D} float32, mask {args.mask}: GFLOP/s of visible work; ratios to "
-          f"the block-matmul rate, medians of {args.repeats} paired runs; {os.cpu_count()} CPUs")
+          f"the block-matmul rate, medians of {args.repeats} paired runs; {_machine()}")
     header = ("L", "block mm", "fwd", "fwd/mm", "bwd", "bwd/mm")
     widths = (6, 9, 6, 7, 6, 7)
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)), flush=True)
@@ -332,7 +339,7 @@ def main() -> None:
         _print_breakdown(args, cap)
         return
     print(f"B={B} H={H} D={D} float32, mask {args.mask}; best of {args.repeats} after warm-up; "
-          f"children capped at {args.cap_gb:g} GiB; {os.cpu_count()} CPUs")
+          f"children capped at {args.cap_gb:g} GiB; {_machine()}")
     header = ("L", "pass", "naive time", "naive peak", "chunked time", "chunked peak",
               "time ratio", "peak ratio")
     widths = (6, 8, 22, 11, 16, 13, 11, 11)

@@ -20,9 +20,12 @@ would zero some of those keys, and a window hides keys on both sides: then no bl
 and the band is applied per tile). Keys the kernel itself pads to a block multiple are not in
 the program and are always -inf.
 
-Internal layout: q [B, Hkv, G, Lq, D] with G = Hq / Hkv query heads per K/V head, so GQA
-never repeats K/V; k [B, Hkv, Lk, D]; v [B, Hkv, Lk, Dv]; bias and mask [B|1, Hkv|1, G|1,
-Lq|1, Lk|1] (post_mask too); sinks [B, Hkv, G, Lq] (f32).
+Layout: q [B, Lq, Hkv, G, D] with G = Hq / Hkv query heads per K/V head, so GQA never
+repeats K/V; k [B, Lk, Hkv, D]; v [B, Lk, Hkv, Dv]; out and dO as q: the caller's layouts.
+Query blocks (of q, out, dO) are transposed to [B, Hkv, G·block_q, ..] as they are sliced
+and out and dq written back in place; K and V are transposed whole, once, as the tiles
+slice them nq/2 times on average (`_key_rows`). Bias and mask [B|1, Hkv|1, G|1, Lq|1,
+Lk|1] (post_mask too); sinks [B, Hkv, G, Lq] (f32).
 """
 
 from __future__ import annotations
@@ -67,7 +70,10 @@ class _Static:
     kv_len: int  # unpadded; keys at and beyond it are padding, never seen
     band: Band | None  # (left, right): query i sees keys i - left .. i + right
     fill: float  # logit of a hidden key
-    scale: float  # applied to each f32 score tile; 1.0 when q came in pre-scaled
+    scale: float
+    # Whether `scale` multiplies q's rows (in q's dtype, as each query block is sliced) rather
+    # than each f32 score tile (see `Chunked._attend`).
+    scale_q: bool = False
     softcap: float | None = None
     visit_all: bool = False  # a band, but no block skipped (see the module docstring)
     varying: frozenset = frozenset()  # mesh axes the operands vary over (in a shard_map body)
@@ -107,7 +113,7 @@ def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static, banded: bool = True
     """
     kv_lengths, q_segments, kv_segments = keys
     s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=jnp.float32)
-    if st.scale != 1.0:
+    if st.scale != 1.0 and not st.scale_q:
         s = s * st.scale
     capped = None
     if st.softcap is not None:
@@ -144,6 +150,32 @@ def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static, banded: bool = True
         s = jnp.where(k_pos < st.kv_len, s, -jnp.inf)
     flat = (b, hkv, rows, bk)
     return s.reshape(flat), None if visible is None else visible.reshape(flat), capped
+
+
+@functools.cache
+def _max_by_halves() -> bool:
+    """Whether a row max is faster as elementwise maxima of halves: XLA:CPU in jaxlib 0.9
+    rewrites a long row max into a reduce-window that took 2.9 ms on an [8, 512, 256] tile
+    (by halves 0.27 ms; jax 0.9.0, this 2-core machine), and the forward twice its time.
+    Later XLA:CPUs hand the reduction to YNNPACK, where halves cost 3× more (0.13 ms vs
+    0.41 ms, jax 0.10.2). Asked of the compiler, not of a version number."""
+    if jax.default_backend() != "cpu":
+        return False
+    try:  # compiled apart: the first use comes while jax traces the kernel
+        hlo = jax.jit(lambda s: jnp.max(s, axis=-1)).lower(
+            jax.ShapeDtypeStruct((8, 512, 256), jnp.float32)).compile().as_text()
+    except Exception:  # noqa: BLE001 - then the plain max, which is never wrong
+        return False
+    return "reduce-window" in hlo
+
+
+def _row_max(s: jax.Array) -> jax.Array:
+    """max over the last axis (exact either way; see `_max_by_halves`)."""
+    if _max_by_halves():
+        while s.shape[-1] > 8 and s.shape[-1] % 2 == 0:
+            half = s.shape[-1] // 2
+            s = jnp.maximum(s[..., :half], s[..., half:])
+    return jnp.max(s, axis=-1)
 
 
 def _keep(post, shape: tuple[int, ...], i, j, st: _Static):
@@ -215,27 +247,53 @@ def _key_loop(i, nk: int, body, init, st: _Static):
     return _edges_then_inside(first, end, inside, body, init, st), end
 
 
-def _forward(q, k, v, bias, mask, keys, post, sinks, st: _Static):
-    """out [B, Hkv, G, Lq, Dv] (f32) and each row's max and normalizer [B, Hkv, G, Lq]
+def _query_rows(x, i, st: _Static) -> jax.Array:
+    """Query block i of x [B, Lq, Hkv, G, ...] as [B, Hkv, G·block_q, ...]: one copy per
+    block, where transposing the whole of q (or dO, or scaling q) would write a fresh L-sized
+    buffer, whose first touch alone costs this machine ~0.5 ms per MiB."""
+    b, _, hkv, g = x.shape[:4]
+    x = lax.dynamic_slice_in_dim(x, i * st.block_q, st.block_q, axis=1)
+    x = jnp.moveaxis(x, 1, 3)
+    return x.reshape((b, hkv, g * st.block_q) + x.shape[4:])
+
+
+def _scaled_q(q_i: jax.Array, st: _Static) -> jax.Array:
+    """A block of q with `scale` applied, in q's dtype, under `scale_q`."""
+    return q_i * jnp.asarray(st.scale, q_i.dtype) if st.scale_q else q_i
+
+
+def _key_rows(x_t, j, st: _Static) -> jax.Array:
+    """Key block j [B, Hkv, block_k, D] of k or v transposed to [B, Hkv, Lk, D]. Transposed
+    whole, once: a transposing slice per tile costs ~3× a plain one, and a causal forward
+    slices each key block nq/2 times on average."""
+    return lax.dynamic_slice_in_dim(x_t, j * st.block_k, st.block_k, axis=2)
+
+
+def _forward(q, k_t, v_t, bias, mask, keys, post, sinks, st: _Static):
+    """out [B, Lq, Hkv, G, Dv] (f32) and each row's max and normalizer [B, Hkv, G, Lq]
     (0 and 1 for a row that saw nothing, whose out is then zeros). A row's sink starts its
-    max and normalizer (weight exp(sink - max), no value)."""
-    b, hkv, g, lq, _ = q.shape
-    dv = v.shape[-1]
-    nq, nk = lq // st.block_q, k.shape[2] // st.block_k
+    max and normalizer (weight exp(sink - max), no value).
+
+    q [B, Lq, Hkv, G, D] in the caller's layout, each block transposed as it is sliced, and
+    each query block's out written into its place in the one output buffer; k_t [B, Hkv, Lk,
+    D], v_t [B, Hkv, Lk, Dv] (`_key_rows`).
+    """
+    b, lq, hkv, g, _ = q.shape
+    dv = v_t.shape[-1]
+    nq, nk = lq // st.block_q, k_t.shape[2] // st.block_k
     if st.skipped_keys_count:
         # suffix[j] = sum of v over keys j .. kv_len-1 (v is zero beyond kv_len)
-        suffix = jnp.cumsum(v[:, :, ::-1].astype(jnp.float32), axis=2)[:, :, ::-1]
+        suffix = jnp.cumsum(v_t[:, :, ::-1].astype(jnp.float32), axis=2)[:, :, ::-1]
         suffix = jnp.concatenate([suffix, jnp.zeros_like(suffix[:, :, :1])], axis=2)
 
-    def query_block(i):
-        q_i = _rows(q, i, st)
+    def query_block(i, results):
+        q_i = _scaled_q(_query_rows(q, i, st), st)
 
         def key_block(banded, j, carry):
             m, l, acc = carry
-            k_j = lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, axis=2)
-            v_j = lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, axis=2)
+            k_j, v_j = _key_rows(k_t, j, st), _key_rows(v_t, j, st)
             s, _, _ = _scores(q_i, k_j, bias, mask, keys, i, j, st, banded)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_new = jnp.maximum(m, _row_max(s))
             # Rows that have seen no key yet keep m = -inf; shift them by 0 so exp gives 0.
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - shift[..., None])
@@ -270,30 +328,31 @@ def _forward(q, k, v, bias, mask, keys, post, sinks, st: _Static):
         out = acc / jnp.where(empty, 1.0, l)[..., None]
         m, l = jnp.where(empty, 0.0, m), jnp.where(empty, 1.0, l)
         shape = (b, hkv, g, st.block_q)
-        return out.reshape(shape + (dv,)), m.reshape(shape), l.reshape(shape)
+        out = jnp.transpose(out.reshape(shape + (dv,)), (0, 3, 1, 2, 4))
+        start = i * st.block_q
+        return tuple(lax.dynamic_update_slice_in_dim(whole, part, start, axis=axis)
+                     for whole, part, axis in zip(results, (out, m.reshape(shape),
+                                                            l.reshape(shape)), (1, 3, 3)))
 
+    init = (jnp.zeros((b, lq, hkv, g, dv), jnp.float32), jnp.zeros((b, hkv, g, lq), jnp.float32),
+            jnp.zeros((b, hkv, g, lq), jnp.float32))
     if nq == 1:
-        return query_block(0)
-    out, m, l = lax.map(query_block, jnp.arange(nq))
-    # [nq, B, Hkv, G, bq, ...] -> [B, Hkv, G, nq * bq, ...]
-    out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, lq, dv)
-    m = jnp.moveaxis(m, 0, 3).reshape(b, hkv, g, lq)
-    l = jnp.moveaxis(l, 0, 3).reshape(b, hkv, g, lq)
-    return out, m, l
+        return query_block(0, init)
+    return lax.fori_loop(0, nq, query_block, varying(init, st.varying))
 
 
 def _skipped_keys_dv(m, inv_l, do, nk: int, st: _Static) -> jax.Array:
-    """[B, Hkv, nk·block_k, Dv]: what the query blocks that skip a key block give each of its
+    """[B, nk·block_k, Hkv, Dv]: what the query blocks that skip a key block give each of its
     keys under a finite fill, each row its weight w = exp(fill - m) / l times its dO: a sum
     over the rows before the first query block that sees the key block (padding keys get it
-    too; the caller cuts them off)."""
+    too; the caller cuts them off). m, inv_l [B, Hkv, G, Lq]; do [B, Lq, Hkv, G, Dv]."""
     w = jnp.exp(st.fill - m) * inv_l
-    contrib = jnp.sum(w[..., None] * do, axis=2)  # [B, Hkv, Lq, Dv], summed over the G heads
-    prefix = jnp.concatenate([jnp.zeros_like(contrib[:, :, :1]), jnp.cumsum(contrib, axis=2)],
-                             axis=2)
-    bq, nq = st.block_q, do.shape[3] // st.block_q
+    contrib = jnp.einsum("bhgq,bqhgd->bqhd", w, do)  # summed over the G heads
+    prefix = jnp.concatenate([jnp.zeros_like(contrib[:, :1]), jnp.cumsum(contrib, axis=1)],
+                             axis=1)
+    bq, nq = st.block_q, do.shape[1] // st.block_q
     first = [query_block_span(j, nq, bq, st.block_k, st.band)[0] * bq for j in range(nk)]
-    return jnp.repeat(prefix[:, :, first], st.block_k, axis=2)
+    return jnp.repeat(prefix[:, first], st.block_k, axis=1)
 
 
 def _add_keys(acc_t: jax.Array, x_t: jax.Array, j, st: _Static) -> jax.Array:
@@ -303,35 +362,33 @@ def _add_keys(acc_t: jax.Array, x_t: jax.Array, j, st: _Static) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(acc_t, x_t, start, axis=3)
 
 
-def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static):
-    """dq, dk, dv, dbias, dsinks (f32, in the layouts of q, k, v, bias, sinks; None without
-    bias, sinks), recomputing each score tile once.
+def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _Static):
+    """dq, dk, dv, dbias, dsinks (f32, in the layouts of `_flash`'s q, k, v, bias, sinks; None
+    without bias, sinks), recomputing each score tile once. do [B, Lq, Hkv, G, Dv] (f32), in
+    out's layout; k_t, v_t as `_forward` takes them.
 
     The tiles come in the forward's order (`_key_loop`): a query block accumulates its dq
     over the key blocks it visits, and each tile adds its contribution into dk and dv. A
     hidden key's logit is the constant fill: it passes no gradient to q, k or bias, only its
-    weight to dv. With the query blocks in the outer loop, Q and dO (and their transposes)
-    are sliced once per query block; per tile only the key block's K, V and its columns of
-    dkᵀ, dvᵀ are, block_k rows each (half a query block's at the default sizes): measured
-    ~10% faster at L = 4096 than the key blocks in the outer loop.
+    weight to dv. With the query blocks in the outer loop, Q, dO and out (and the
+    transposes of Q and dO) are sliced once per query block; per tile only the key block's
+    K, V and its columns of dkᵀ, dvᵀ are, block_k rows each (half a query block's at the
+    default sizes): measured ~10% faster at L = 4096 than the key blocks in the outer loop.
 
     dk and dv contract a tile over its queries. Written as tileᵀ·q, XLA's CPU backend hands
     that to a generic matmul (measured at 0.6–0.7 of the rate of the tile's other products);
     as qᵀ·tile, with q and dO transposed once per query block, it stays on the fast path. So
     dk and dv accumulate as dkᵀ, dvᵀ [B, Hkv, D, Lk].
     """
-    b, hkv, g, lq, d = q.shape
-    lk, dv = k.shape[2], v.shape[-1]
+    b, lq, hkv, g, d = q.shape
+    lk, dv = k_t.shape[2], v_t.shape[-1]
     bq, nq, nk = st.block_q, lq // st.block_q, lk // st.block_k
-    # As a sum of out * do, XLA's CPU backend reduces ~30x slower.
-    delta = jnp.einsum("bhgqd,bhgqd->bhgq", out, do)  # [B, Hkv, G, Lq]
     inv_l = 1.0 / l  # one division per row, not per score
 
     def key_block(i, block, banded, j, carry):
         dq_i, dk_t, dv_t, dbias = carry
         q_i, q_t, do_i, do_t, m_i, inv_l_i, delta_i = block
-        k_j = lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, axis=2)
-        v_j = lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, axis=2)
+        k_j, v_j = _key_rows(k_t, j, st), _key_rows(v_t, j, st)
         s, visible, capped = _scores(q_i, k_j, bias, mask, keys, i, j, st, banded)
         e = jnp.exp(s - m_i[..., None])
         dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
@@ -342,7 +399,7 @@ def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static
         dbias_tile = ds
         if capped is not None:
             ds = ds * (1.0 - jnp.square(capped))  # d(c·tanh(x / c)) / dx
-        if st.scale != 1.0:
+        if st.scale != 1.0 and not st.scale_q:
             ds = ds * st.scale  # d(scale·q·k) w.r.t. q·k
         dv_t = _add_keys(dv_t, jnp.einsum("bhdq,bhqk->bhdk", do_t, _kept(e, keep)),
                          j, st)
@@ -360,24 +417,31 @@ def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static
         return dq_i, dk_t, dv_t, dbias
 
     def query_block(i, carry):
-        dq, dk_t, dv_t, dbias = carry
-        q_i, do_i, inv_l_i = _rows(q, i, st), _rows(do, i, st), _rows(inv_l, i, st)
+        dq, dk_t, dv_t, dbias, delta = carry
+        q_i, do_i = _scaled_q(_query_rows(q, i, st), st), _query_rows(do, i, st)
+        inv_l_i = _rows(inv_l, i, st)
+        # As a sum of out * do, XLA's CPU backend reduces ~30x slower.
+        delta_i = jnp.einsum("bhqd,bhqd->bhq", _query_rows(out, i, st), do_i)
         # dV = Pᵀ·dO = exp(S - m)ᵀ·(dO / l): with 1/l on dO's rows, the tile's exponentials
         # feed dV as they are, and no normalized copy of them is written.
         block = (q_i, jnp.swapaxes(q_i, 2, 3), do_i,
                  jnp.swapaxes(do_i * inv_l_i[..., None], 2, 3), _rows(m, i, st), inv_l_i,
-                 _rows(delta, i, st))
+                 delta_i)
         init = (jnp.zeros(q_i.shape, jnp.float32), dk_t, dv_t, dbias)
         (dq_i, dk_t, dv_t, dbias), _ = _key_loop(
             i, nk, lambda banded: functools.partial(key_block, i, block, banded), init, st)
-        dq = lax.dynamic_update_slice_in_dim(dq, dq_i.reshape(b, hkv, g, bq, d), i * bq, axis=3)
-        return dq, dk_t, dv_t, dbias
+        dq_i = jnp.moveaxis(_scaled_q(dq_i, st).reshape(b, hkv, g, bq, d), 3, 1)
+        dq = lax.dynamic_update_slice_in_dim(dq, dq_i, i * bq, axis=1)
+        delta = lax.dynamic_update_slice_in_dim(delta, delta_i.reshape(b, hkv, g, bq), i * bq,
+                                                axis=3)
+        return dq, dk_t, dv_t, dbias, delta
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((b, hkv, d, lk), jnp.float32),
             jnp.zeros((b, hkv, dv, lk), jnp.float32),
-            None if bias is None else jnp.zeros(bias.shape, jnp.float32))
-    dq, dk_t, dv_t, dbias = lax.fori_loop(0, nq, query_block, varying(init, st.varying))
-    dk, dv = jnp.swapaxes(dk_t, 2, 3), jnp.swapaxes(dv_t, 2, 3)
+            None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+            jnp.zeros(m.shape, jnp.float32))
+    dq, dk_t, dv_t, dbias, delta = lax.fori_loop(0, nq, query_block, varying(init, st.varying))
+    dk, dv = jnp.transpose(dk_t, (0, 3, 1, 2)), jnp.transpose(dv_t, (0, 3, 1, 2))
     if st.skipped_keys_count:
         dv = dv + _skipped_keys_dv(m, inv_l, do, nk, st)
     # A sink's logit enters like a key's with value 0: dsink = p_sink · (0 - delta).
@@ -387,20 +451,23 @@ def _backward(q, k, v, bias, mask, keys, post, sinks, out, m, l, do, st: _Static
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _flash(q, k, v, bias, mask, keys, post, sinks, st: _Static):
-    return _forward(q, k, v, bias, mask, keys, post, sinks, st)[0]
+    """out [B, Lq, Hkv, G, Dv] (f32) of q [B, Lq, Hkv, G, D], k [B, Lk, Hkv, D], v [B, Lk,
+    Hkv, Dv]."""
+    return _flash_fwd(q, k, v, bias, mask, keys, post, sinks, st)[0]
 
 
 def _flash_fwd(q, k, v, bias, mask, keys, post, sinks, st):
-    out, m, l = _forward(q, k, v, bias, mask, keys, post, sinks, st)
-    return out, (q, k, v, bias, mask, keys, post, sinks, out, m, l)
+    k_t, v_t = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    out, m, l = _forward(q, k_t, v_t, bias, mask, keys, post, sinks, st)
+    return out, (q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l)
 
 
 def _flash_bwd(st, residuals, do):
-    q, k, v, bias, mask, keys, post, sinks, out, m, l = residuals
-    dq, dk, dv, dbias, dsinks = _backward(q, k, v, bias, mask, keys, post, sinks, out,
+    q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l = residuals
+    dq, dk, dv, dbias, dsinks = _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out,
                                           m, l, do.astype(jnp.float32), st)
     cast = lambda d, x: None if x is None else d.astype(x.dtype)  # noqa: E731
-    return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None,
+    return (cast(dq, q), cast(dk, k_t), cast(dv, v_t), cast(dbias, bias), None,
             (None,) * len(keys), None, cast(dsinks, sinks))
 
 
@@ -456,26 +523,23 @@ class Chunked(AttentionKernel):
         g = hq // hkv
         bq, bk = _block(lq, self.block_q), _block(lk, self.block_k)
         lq_p, lk_p = cdiv(lq, bq) * bq, cdiv(lk, bk) * bk
-        # Scaling q (L·D) is cheaper than scaling every score tile (L·L), but in a narrow
-        # dtype it rounds q (and a scale of 1e6 is inf in float16): there the f32 tiles are
-        # scaled instead, as the naive program scales its scores.
-        wide = jnp.dtype(call.q.dtype).itemsize >= 4
         # Skipped keys under a finite fill enter in closed form, which covers those right of
         # the band only (suffix and prefix sums).
         finite = math.isfinite(call.fill)
-        st = _Static(bq, bk, lk, call.band, call.fill, 1.0 if wide else call.scale,
-                     call.softcap, visit_all=finite and (
+        # Scaling q (L·D) is cheaper than scaling every score tile (L·L), but in a narrow
+        # dtype it rounds q (and a scale of 1e6 is inf in float16): there the f32 tiles are
+        # scaled instead, as the naive program scales its scores.
+        st = _Static(bq, bk, lk, call.band, call.fill, call.scale,
+                     scale_q=jnp.dtype(call.q.dtype).itemsize >= 4,
+                     softcap=call.softcap, visit_all=finite and (
                          call.post_mask is not None
                          or (call.band is not None and call.band[0] is not None)),
                      varying=axes_varied_over(call.q, call.k, call.v, call.bias, call.mask,
                                               *jax.tree.leaves(call.post_mask), call.sinks,
                                               call.kv_lengths,
                                               *(call.segments or ())))
-        q = call.q * jnp.asarray(call.scale, call.q.dtype) if wide else call.q
-        q = q.reshape(b, lq, hkv, g, d)
-        q = _pad_axis(jnp.transpose(q, (0, 2, 3, 1, 4)), 3, lq_p)
-        k = _pad_axis(jnp.swapaxes(call.k, 1, 2), 2, lk_p)
-        v = _pad_axis(jnp.swapaxes(call.v, 1, 2), 2, lk_p)
+        q = _pad_axis(call.q.reshape(b, lq, hkv, g, d), 1, lq_p)
+        k, v = _pad_axis(call.k, 1, lk_p), _pad_axis(call.v, 1, lk_p)
 
         def to5(x, fill):
             if isinstance(x, DrawnMask):  # drawn per tile in [B, Hq, ...]
@@ -500,5 +564,4 @@ class Chunked(AttentionKernel):
                         jnp.pad(kv_seg, ((0, 0), (0, lk_p - lk)), constant_values=-2))
         out = _flash(q, k, v, to5(call.bias, 0), to5(call.mask, False),
                      (kv_lengths, *segments), to5(call.post_mask, False), sinks, st)
-        out = jnp.transpose(out[:, :, :, :lq], (0, 3, 1, 2, 4)).reshape(b, lq, hq, -1)
-        return out.astype(call.result_dtype)
+        return out[:, :lq].reshape(b, lq, hq, -1).astype(call.result_dtype)
