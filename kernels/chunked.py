@@ -432,14 +432,15 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
             i, nk, lambda banded: functools.partial(key_block, i, block, banded), init, st)
         dq_i = jnp.moveaxis(_scaled_q(dq_i, st).reshape(b, hkv, g, bq, d), 3, 1)
         dq = lax.dynamic_update_slice_in_dim(dq, dq_i, i * bq, axis=1)
-        delta = lax.dynamic_update_slice_in_dim(delta, delta_i.reshape(b, hkv, g, bq), i * bq,
-                                                axis=3)
+        if delta is not None:  # kept for dsinks only
+            delta = lax.dynamic_update_slice_in_dim(delta, delta_i.reshape(b, hkv, g, bq),
+                                                    i * bq, axis=3)
         return dq, dk_t, dv_t, dbias, delta
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((b, hkv, d, lk), jnp.float32),
             jnp.zeros((b, hkv, dv, lk), jnp.float32),
             None if bias is None else jnp.zeros(bias.shape, jnp.float32),
-            jnp.zeros(m.shape, jnp.float32))
+            None if sinks is None else jnp.zeros(m.shape, jnp.float32))
     dq, dk_t, dv_t, dbias, delta = lax.fori_loop(0, nq, query_block, varying(init, st.varying))
     dk, dv = jnp.transpose(dk_t, (0, 3, 1, 2)), jnp.transpose(dv_t, (0, 3, 1, 2))
     if st.skipped_keys_count:
