@@ -9,6 +9,7 @@ would pass the cap is not started and shows as "OOM (needs ≈X GB)".
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --mask window:512 --lengths 8192
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --rates --mask causal --lengths 4096,8192
     JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --breakdown --mask causal --lengths 4096
+    JAX_PLATFORMS=cpu python benchmarks/kernels_bench.py --floors --mask causal --lengths 4096,8192
 
 `--rates` prints, instead, the chunked kernel's forward and backward rate against this machine's
 own matmul rate on attention blocks ([8,512,64]×[8,64,512], then [8,512,512]×[8,512,64], in a
@@ -16,6 +17,12 @@ loop), measured in the same process, each kernel call right after a matmul call,
 phases of a shared machine hit both; the ratios are medians over --repeats such pairs. Only the
 visible (unmasked) work counts: 2 matmuls per visible query-key pair forward, 5 backward (the
 score recompute, dP, dV, dK, dQ; the FlashAttention papers' 2.5×), each 2·D flops.
+
+`--floors` prints, for the forward, how far it is from what blockwise work costs on this
+machine: loops over the very tiles the kernel computes that do less than it does — the tiles'
+two matmuls alone; plus a softmax of each tile on its own; plus the online softmax's running
+max, normalizer and output carried across tiles — and the kernel's forward, each as a ratio to
+the block-matmul rate, paired as --rates pairs them.
 
 `--breakdown` prints where the chunked kernel's forward and backward spend their time: XLA:CPU's
 own per-op trace (`jax.profiler`, a Perfetto trace), each op's time summed over --repeats calls
@@ -112,21 +119,25 @@ def _chunked_call(length: int, mask: str):
     return attend, (q, k, v, do)
 
 
-def _rates(length: int, repeats: int, cap: int, mask: str) -> dict:
-    """Median ratios of the chunked kernel's forward and backward rate to the block-matmul
-    rate, each kernel call paired with a matmul call just before it."""
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+def _seconds(fn, *args) -> float:
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def _paired_rates(length: int, repeats: int, runs: dict) -> dict:
+    """{name: (median GFLOP/s·1e9, median ratio to the block-matmul rate)} of each of `runs`
+    ({name: (flops, fn, args)}), and "mm": the median block-matmul rate; each run paired
+    with a block-matmul call just before it, so slow phases of a shared machine hit both."""
     import jax
     import jax.numpy as jnp
     from jax import lax
 
-    attend, (q, k, v, do) = _chunked_call(length, mask)
-    window = _window(mask)
-
-    _, vjp = jax.vjp(attend, q, k, v)
-    forward, backward = jax.jit(attend), jax.jit(lambda vjp, do: vjp(do))
+    keys = jax.random.split(jax.random.PRNGKey(1), 2)
+    q_h, k_h = (jax.random.normal(key, (H, length, D), jnp.float32) for key in keys)
     blocks, steps = max(1, length // 512), 64
-    q_h, k_h = jnp.swapaxes(q, 1, 2)[0], jnp.swapaxes(k, 1, 2)[0]  # [H, L, D]
 
     @jax.jit
     def matmuls(q_h, k_h):
@@ -136,29 +147,100 @@ def _rates(length: int, repeats: int, cap: int, mask: str) -> dict:
             return acc + jnp.einsum("hqk,hkd->hqd", jnp.einsum("hqd,hkd->hqk", a, b), b)
         return lax.fori_loop(0, steps, step, jnp.zeros((H, 512, D), jnp.float32))
 
-    def seconds(fn, *args):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        return time.perf_counter() - start
-
-    for fn, args in ((matmuls, (q_h, k_h)), (forward, (q, k, v)), (backward, (vjp, do))):
-        seconds(fn, *args)  # compile
-    visible = sum(min(length, i + 1) if window is None else min(window, i + 1)
-                  for i in range(length)) if mask != "none" else length * length
-    pair_flops = 2 * D * B * H * visible
+    for _, fn, args in [(None, matmuls, (q_h, k_h)), *runs.values()]:
+        _seconds(fn, *args)  # compile
     mm_flops = steps * 2 * (2 * H * 512 * 512 * D)
-    rows = {"mm": [], "fwd": [], "bwd": []}
+    rows = {"mm": [], **{name: [] for name in runs}}
     for _ in range(repeats):
-        for name, flops, fn, args in (("fwd", 2 * pair_flops, forward, (q, k, v)),
-                                      ("bwd", 5 * pair_flops, backward, (vjp, do))):
-            mm_rate = mm_flops / seconds(matmuls, q_h, k_h)
-            rate = flops / seconds(fn, *args)
+        for name, (flops, fn, args) in runs.items():
+            mm_rate = mm_flops / _seconds(matmuls, q_h, k_h)
+            rate = flops / _seconds(fn, *args)
             rows["mm"].append(mm_rate)
             rows[name].append((rate, rate / mm_rate))
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return {"mm": median(rows["mm"]),
             **{name: (median([r for r, _ in rows[name]]), median([x for _, x in rows[name]]))
-               for name in ("fwd", "bwd")}}
+               for name in runs}}
+
+
+def _pair_flops(length: int, mask: str) -> int:
+    """2·D flops per visible query-key pair: one matmul's work on the visible scores."""
+    window = _window(mask)
+    visible = sum(min(length, i + 1) if window is None else min(window, i + 1)
+                  for i in range(length)) if mask != "none" else length * length
+    return 2 * D * B * H * visible
+
+
+def _rates(length: int, repeats: int, cap: int, mask: str) -> dict:
+    """Median ratios of the chunked kernel's forward and backward rate to the block-matmul
+    rate."""
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    import jax
+
+    attend, (q, k, v, do) = _chunked_call(length, mask)
+    _, vjp = jax.vjp(attend, q, k, v)
+    pair_flops = _pair_flops(length, mask)
+    return _paired_rates(length, repeats, {
+        "fwd": (2 * pair_flops, jax.jit(attend), (q, k, v)),
+        "bwd": (5 * pair_flops, jax.jit(lambda vjp, do: vjp(do)), (vjp, do))})
+
+
+def _floors(length: int, repeats: int, cap: int, mask: str) -> dict:
+    """Rates of loops that do less than the chunked forward, over the very tiles it computes
+    (its block sizes, the key blocks its loop bounds visit): the tile's two matmuls alone;
+    plus a softmax of each tile on its own (row max, exp, row sum: no running state); plus
+    the running max, normalizer and output carried from tile to tile (online softmax); and
+    the kernel's forward itself, which adds the band on edge tiles, per-block layout changes
+    and the output writes. Each as a median ratio to the block-matmul rate."""
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from hlotool.kernels import get
+    from hlotool.kernels.base import key_block_span
+    from hlotool.kernels.chunked import _row_max  # as the kernel takes it on this XLA:CPU
+
+    attend, (q, k, v, _) = _chunked_call(length, mask)
+    kernel = get("chunked")
+    bq, bk = min(kernel.block_q, length), min(kernel.block_k, length)
+    window = _window(mask)
+    band = None if mask == "none" else (None if window is None else window - 1, 0)
+    tiles = [(i, j) for i in range(length // bq)
+             for j in range(*key_block_span(i, length // bk, bq, bk, band))]
+    operands = (*(jnp.swapaxes(x[0], 0, 1) for x in (q, k, v)),  # [H, L, D]
+                *(jnp.array(x, jnp.int32) for x in zip(*tiles)))
+
+    def loop(tile, init):
+        def run(q_h, k_h, v_h, rows, cols):
+            def step(t, carry):
+                a = lax.dynamic_slice_in_dim(q_h, rows[t] * bq, bq, 1)
+                kb, vb = (lax.dynamic_slice_in_dim(x, cols[t] * bk, bk, 1) for x in (k_h, v_h))
+                return tile(jnp.einsum("hqd,hkd->hqk", a, kb), vb, carry)
+            return lax.fori_loop(0, len(tiles), step, init)
+        return jax.jit(run)
+
+    zeros = jnp.zeros((H, bq, D), jnp.float32)
+    out = lambda p, vb: jnp.einsum("hqk,hkd->hqd", p, vb)  # noqa: E731
+
+    def alone(s, vb, acc):  # normalized with the tile's own max and sum
+        p = jnp.exp(s - _row_max(s)[..., None])
+        return acc + out(p, vb) / jnp.sum(p, axis=-1, keepdims=True)
+
+    def online(s, vb, carry):
+        m, l, acc = carry
+        m_new = jnp.maximum(m, _row_max(s))
+        p, corr = jnp.exp(s - m_new[..., None]), jnp.exp(m - m_new)
+        return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + out(p, vb)
+
+    flops = 2 * _pair_flops(length, mask)
+    row0 = jnp.full((H, bq), -1e30, jnp.float32)
+    r = _paired_rates(length, repeats, {
+        "matmuls": (flops, loop(lambda s, vb, acc: acc + out(s, vb), zeros), operands),
+        "softmax": (flops, loop(alone, zeros), operands),
+        "online": (flops, loop(online, (row0, jnp.zeros_like(row0), zeros)), operands),
+        "fwd": (flops, jax.jit(attend), (q, k, v))})
+    return {**r, "tiles": len(tiles), "blocks": (bq, bk)}
 
 
 # What an XLA:CPU op does (`_op_classes`), by the opcodes of its fused computation: the first
@@ -262,6 +344,20 @@ def _print_breakdown(args, cap: int) -> None:
             print("  ".join(c.rjust(w) for c, w in zip(row, widths)), flush=True)
 
 
+def _print_floors(args, cap: int) -> None:
+    print(f"B={B} H={H} D={D} float32, mask {args.mask}: the chunked forward's rate of visible "
+          f"work and that of loops doing less over its tiles, as ratios to the block-matmul "
+          f"rate; medians of {args.repeats} paired runs; {_machine()}")
+    header = ("L", "tiles", "block mm", "matmuls", "+softmax", "+online", "kernel fwd")
+    widths = (6, 16, 9, 8, 9, 8, 11)
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)), flush=True)
+    for length, r in _children("--floors-child", args, cap):
+        tiles = f"{r['tiles']} of {r['blocks'][0]}x{r['blocks'][1]}"
+        row = (str(length), tiles, f"{r['mm'] / 1e9:.0f}",
+               *(f"{r[name][1]:.2f}" for name in ("matmuls", "softmax", "online", "fwd")))
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)), flush=True)
+
+
 def _print_rates(args, cap: int) -> None:
     print(f"B={B} H={H} D={D} float32, mask {args.mask}: GFLOP/s of visible work; ratios to "
           f"the block-matmul rate, medians of {args.repeats} paired runs; {_machine()}")
@@ -312,10 +408,20 @@ def main() -> None:
                         help="where the chunked kernel's forward and backward spend their time, "
                              "by class of XLA:CPU op (matmul, exp, reduce, data movement, "
                              "elementwise)")
+    parser.add_argument("--floors", action="store_true",
+                        help="the chunked forward's rate beside loops that do less over the "
+                             "same tiles (the tiles' matmuls; + a softmax per tile; + the "
+                             "online softmax's running state), each against the block-matmul "
+                             "rate: how far the kernel is from what blockwise work costs here")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument("--rates-child", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--breakdown-child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--floors-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.floors_child:
+        length, repeats, cap, mask = args.floors_child
+        print(json.dumps(_floors(int(length), int(repeats), int(cap), mask)))
+        return
     if args.breakdown_child:
         length, repeats, cap, mask = args.breakdown_child
         print(json.dumps(_breakdown(int(length), int(repeats), int(cap), mask)))
@@ -337,6 +443,9 @@ def main() -> None:
         return
     if args.breakdown:
         _print_breakdown(args, cap)
+        return
+    if args.floors:
+        _print_floors(args, cap)
         return
     print(f"B={B} H={H} D={D} float32, mask {args.mask}; best of {args.repeats} after warm-up; "
           f"children capped at {args.cap_gb:g} GiB; {_machine()}")
