@@ -78,7 +78,7 @@ def _child(impl: str, mode: str, length: int, repeats: int, cap: int, mask: str)
     else:
         def attend(q, k, v):
             return kernel(q, k, v, scale=D**-0.5, causal=mask != "none",
-                          window=None if window is None else (window - 1, 0))
+                          window=_kernel_window(mask))
     if mode == "fwd":
         fn = jax.jit(attend)
     else:
@@ -101,6 +101,12 @@ def _window(mask: str) -> int | None:
     return int(mask.split(":")[1]) if mask.startswith("window:") else None
 
 
+def _kernel_window(mask: str) -> tuple[int, int] | None:
+    """`window:W` as the kernels take it: each query sees itself and the W - 1 keys before."""
+    window = _window(mask)
+    return None if window is None else (window - 1, 0)
+
+
 def _chunked_call(length: int, mask: str):
     """The chunked kernel under `mask` as attend(q, k, v), and random q, k, v, dO."""
     import jax
@@ -108,13 +114,13 @@ def _chunked_call(length: int, mask: str):
 
     from hlotool.kernels import get
 
-    kernel, window = get("chunked"), _window(mask)
+    kernel = get("chunked")
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v, do = (jax.random.normal(key, (B, length, H, D), jnp.float32) for key in keys)
 
     def attend(q, k, v):
         return kernel(q, k, v, scale=D**-0.5, causal=mask != "none",
-                      window=None if window is None else (window - 1, 0))
+                      window=_kernel_window(mask))
 
     return attend, (q, k, v, do)
 
@@ -199,13 +205,14 @@ def _floors(length: int, repeats: int, cap: int, mask: str) -> dict:
 
     from hlotool.kernels import get
     from hlotool.kernels.base import key_block_span
-    from hlotool.kernels.chunked import _row_max  # as the kernel takes it on this XLA:CPU
+    # the kernel's own block sizes for a length, and its row max on this XLA:CPU
+    from hlotool.kernels.chunked import _block, _row_max
+    from hlotool.site import band_of
 
     attend, (q, k, v, _) = _chunked_call(length, mask)
     kernel = get("chunked")
-    bq, bk = min(kernel.block_q, length), min(kernel.block_k, length)
-    window = _window(mask)
-    band = None if mask == "none" else (None if window is None else window - 1, 0)
+    bq, bk = _block(length, kernel.block_q), _block(length, kernel.block_k)
+    band = band_of(mask != "none", _kernel_window(mask))
     tiles = [(i, j) for i in range(length // bq)
              for j in range(*key_block_span(i, length // bk, bq, bk, band))]
     operands = (*(jnp.swapaxes(x[0], 0, 1) for x in (q, k, v)),  # [H, L, D]
@@ -414,22 +421,15 @@ def main() -> None:
                              "online softmax's running state), each against the block-matmul "
                              "rate: how far the kernel is from what blockwise work costs here")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
-    parser.add_argument("--rates-child", nargs=4, help=argparse.SUPPRESS)
-    parser.add_argument("--breakdown-child", nargs=4, help=argparse.SUPPRESS)
-    parser.add_argument("--floors-child", nargs=4, help=argparse.SUPPRESS)
+    children = {"rates_child": _rates, "breakdown_child": _breakdown, "floors_child": _floors}
+    for name in children:  # each: length repeats cap mask
+        parser.add_argument(f"--{name.replace('_', '-')}", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.floors_child:
-        length, repeats, cap, mask = args.floors_child
-        print(json.dumps(_floors(int(length), int(repeats), int(cap), mask)))
-        return
-    if args.breakdown_child:
-        length, repeats, cap, mask = args.breakdown_child
-        print(json.dumps(_breakdown(int(length), int(repeats), int(cap), mask)))
-        return
-    if args.rates_child:
-        length, repeats, cap, mask = args.rates_child
-        print(json.dumps(_rates(int(length), int(repeats), int(cap), mask)))
-        return
+    for name, measure in children.items():
+        if getattr(args, name):
+            length, repeats, cap, mask = getattr(args, name)
+            print(json.dumps(measure(int(length), int(repeats), int(cap), mask)))
+            return
     if args.child:
         impl, mode, length, repeats, cap, mask = args.child
         print(json.dumps(_child(impl, mode, int(length), int(repeats), int(cap), mask)))
