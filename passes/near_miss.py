@@ -13,6 +13,10 @@ reason. Probability side (exp up to the dot that reads it): layout ops, the norm
 exp's own sum, `where(m, p, 0)`, dropout's `p * (keep / keep_prob)`, constant factors and
 slices.
 When both sides are clean, the pattern's own shape checks (`attention.rejection`) say why.
+
+Only attention-shaped code is a near miss: two dots around a softmax, an exp divided by its
+own sum (before the value dot or after it). An exp whose sum is only logged — a model's
+`log_softmax` loss head, whose backward pass puts a dot after it — is no attention at all.
 """
 
 from __future__ import annotations
@@ -58,12 +62,67 @@ def near_misses(graph: Graph, sites: Sequence[Match], function: str = "") -> lis
         value_dot, after = _probs_side(exp, users)
         if scores is None or value_dot is None or id(value_dot) in seen:
             continue
+        if not _normalized_by_own_sum(exp, users):
+            continue  # no softmax between the dots: not attention-shaped
         seen.add(id(value_dot))
         reason = before or after or rejection(graph, value_dot) or (
             "the exp is not normalized by its own sum along one axis before the value dot")
         found.append(NearMiss(function, exp.source or value_dot.source or scores.source,
                               reason))
     return found
+
+
+def _normalized_by_own_sum(exp: Node, users: dict[int, list[Node]]) -> bool:
+    """Whether something computed from `exp` (its probabilities, or the value dot's output
+    when the normalization comes last) is divided by a sum of `exp` along an axis."""
+    sums, stack = set(), [exp]
+    while stack:  # the sums of exp, or of a cast or relayout of it
+        for user in users[id(stack.pop())]:
+            if user.op == "reduce_sum":
+                sums.add(id(user))
+            elif user.op in LAYOUT_OPS:
+                stack.append(user)
+    queue, seen = deque([exp]), {id(exp)}
+    while queue and len(seen) < _REACH:
+        for user in users[id(queue.popleft())]:
+            if id(user) in seen:
+                continue
+            seen.add(id(user))
+            if _divides_by_sum(user, sums, exp):
+                return True
+            queue.append(user)
+    return False
+
+
+def _divides_by_sum(node: Node, sums: set[int], exp: Node) -> bool:
+    """`x / s` or `x * (1 / s)` for `s` in `sums` and `x` computed from `exp`. A backward
+    pass divides other values by the sum too (log_softmax's cotangent `g / s`): the
+    numerator must come from the exp."""
+    if len(node.inputs) != 2 or node.op not in ("div", "mul"):
+        return False
+    x, divisor = node.inputs
+    if node.op == "mul":
+        x, divisor = (x, divisor) if _sum_of(divisor, sums, inverted=True) else (divisor, x)
+    return (_sum_of(divisor, sums, inverted=node.op == "mul")
+            and _derives_from(x, {id(exp)}))
+
+
+def _sum_of(node: Node, sums: set[int], inverted: bool = False) -> bool:
+    """`node` is one of `sums` (`1 / s` of one when `inverted`) through layout ops and
+    constant guards (`max(s, eps)`, `s + eps`)."""
+    while id(node) not in sums:
+        constant = [i for i in node.inputs if uniform_value(i) is not None]
+        if node.op in LAYOUT_OPS and node.inputs:
+            node = node.inputs[0]
+        elif node.op in ("max", "add") and len(node.inputs) == 2 and len(constant) == 1:
+            node = next(i for i in node.inputs if i is not constant[0])
+        elif inverted and node.op == "div" and constant and constant[0] is node.inputs[0]:
+            node, inverted = node.inputs[1], False
+        elif inverted and node.op == "integer_pow" and node.params.get("y") == -1:
+            node, inverted = node.inputs[0], False
+        else:
+            return False
+    return not inverted
 
 
 def _scores_side(exp: Node) -> tuple[Node | None, str | None]:

@@ -190,3 +190,19 @@ def test_inspect_why_not_lists_them_in_the_table_and_json(tmp_path):
         "reason": "a floor between the scores and the softmax"}]
     plain = CliRunner().invoke(cli, ["inspect", str(script), "--json"])
     assert "near_misses" not in json.loads(plain.stdout)
+
+
+def loss_head(x, w, targets):
+    """A language model's loss: logits by a dot, a slice, log_softmax; its gradient puts a
+    dot after the exp (two dots around an exp, but no softmax between them)."""
+    logp = jax.nn.log_softmax((x @ w)[:, :-1])
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
+def test_a_log_softmax_loss_head_is_no_near_miss():
+    x, w = jnp.ones((2, 8, 16)), jnp.ones((16, 32))
+    targets = jnp.zeros((2, 7), jnp.int32)
+    train = jax.grad(loss_head, argnums=(0, 1))
+    assert near_misses_jaxpr(jax.make_jaxpr(train)(x, w, targets)) == []
+    hlo = jax.jit(train).lower(x, w, targets).as_text(dialect="hlo", debug_info=True)
+    assert near_misses_hlo(hlo) == []
