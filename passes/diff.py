@@ -338,6 +338,12 @@ class ModuleDiff:
         module = self.before if side == "before" else self.after
         return [node_id(computation, i.name) for i in module.computations[computation]]
 
+    def in_place(self, before: str, after: str) -> bool:
+        """Whether kept `before` and its counterpart `after` sit in corresponding
+        computations (a value built from constants alone may be kept as its twin inside
+        a kernel's loop body)."""
+        return _same_place(self._before_side, self._after_side, self.mapping, before, after)
+
     def instruction(self, side: str, node: str) -> Instruction:
         return (self._before_side if side == "before" else self._after_side).inst[node]
 
@@ -511,7 +517,12 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
 
     parent.update({("a", n): ("a", n) for n in removed})
     parent.update({("b", n): ("b", n) for n in added})
-    # Kept instructions a change feeds (its consumers) and reads (its inputs), by after id.
+    # Kept instructions a change feeds (its consumers) and reads (its inputs), by after id:
+    # only those kept in the same place on both sides (a value built from constants alone
+    # may be kept as its twin inside a kernel's loop body) and in no computation that
+    # several layers share.
+    linking = {y for x, y in mapping.items() if _same_place(a, b, mapping, x, y)
+               and not _generic(a, x) and not _generic(b, y)}
     feeds: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
     reads: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
     for tag, side, changed in (("a", a, removed), ("b", b, added)):
@@ -524,7 +535,8 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
                 if (tag, w) in parent:
                     if n not in side.constant and w not in side.constant:
                         union((tag, w), (tag, n))
-                elif w not in side.constant:
+                elif w not in side.constant and d["kind"] == "operand" and \
+                        (mapping.get(w) if tag == "a" else w) in linking:
                     kept = mapping[w] if tag == "a" else w
                     (feeds if w == v else reads)[kept].append((tag, n))
 
@@ -574,6 +586,23 @@ def _regions(a: _Side, b: _Side, mapping: dict[str, str], removed: list[str],
                frozenset(n for t, n in groups[r] if t == "b"))
         for r in roots if r in groups
     ]
+
+
+def _generic(side: _Side, node: str) -> bool:
+    """Whether kept `node` lives in a computation that is no one site's: a reducer or
+    fusion body, or one that several instructions call (jax prints a loop body or reducer
+    once for every layer that runs it). Two changes touching it may be different layers."""
+    callers = side.callers.get(side.graph.nodes[node]["computation"], ())
+    return len(callers) > 1 or any(side.inst[c].opcode not in ("while", "conditional", "call")
+                                   for c in callers)
+
+
+def _same_place(a: _Side, b: _Side, mapping: dict[str, str], x: str, y: str) -> bool:
+    """Whether kept `x` (before) and `y` (after) sit in computations that correspond: the
+    root of `x`'s maps to the root of `y`'s."""
+    ca = a.module.computations[a.graph.nodes[x]["computation"]]
+    cb = b.module.computations[b.graph.nodes[y]["computation"]]
+    return mapping.get(node_id(ca.name, ca.root.name)) == node_id(cb.name, cb.root.name)
 
 
 def _is_leaf(inst: Instruction) -> bool:
