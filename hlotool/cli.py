@@ -576,7 +576,7 @@ Examples:
 @_kernel_option("Kernel flash_jit uses: auto (the cost model's choice per platform) or a "
                 "name from hlotool.kernels. Where auto keeps native, the diff shows the "
                 "kernel the target's platform would use if it paid, under auto's verdict.")
-@click.option("--hops", type=click.IntRange(min=0), default=2, show_default=True,
+@click.option("--hops", type=click.IntRange(min=0), default=1, show_default=True,
               help="Steps around each changed site drawn in the pictures.")
 @click.option("-o", "--output", "output", type=click.Path(),
               help="HTML report file; with --format, the directory for the pieces.")
@@ -604,11 +604,12 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
 
     Instructions are matched by structure (opcode, shape, operands), not by XLA's names.
     Without -o: one summary line per function and per attention site. -o report.html
-    writes one self-contained HTML page (inline SVG; needs graphviz's `dot`) with each
-    site's neighbourhood, native and rewritten side by side at one scale; a kernel is one
-    box there, its inside drawn below on demand. Each diffed function's memory, native →
-    rewritten on --target (XLA's memory_analysis), follows the summary (--json: under
-    "memory"). SCRIPT:NAME and `--` script arguments work as for `inspect`.
+    writes one self-contained HTML page (inline SVG, laid out by hlotool itself) that opens
+    on each site's neighbourhood, native and rewritten side by side at one scale; a kernel
+    is one box there, its inside drawn below on demand (only PNG pieces need graphviz's
+    `dot`). Each diffed function's memory, native → rewritten on --target (XLA's
+    memory_analysis), follows the summary (--json: under "memory"). SCRIPT:NAME and `--`
+    script arguments work as for `inspect`.
     """
     from hlotool.report import render
     from hlotool.report.memory import memory_row, render_memory

@@ -1,11 +1,14 @@
-"""The diff report as a person sees it at 1600×1200: one scale per pair, labels of at least
-9 px, the kernel as one box with its inside on demand, no script of its own. The sizes are
-checked from the page's SVG here, and measured in headless Chromium where it is installed
-(Debian: apt-get install chromium)."""
+"""The diff report of the bundled example as a person sees it at 1600×1200: it opens on the
+kernel (its box in the first screen, inside its pane), one scale per pair, labels of at
+least 9 px, pictures of sane size, and per-site numbers that are the text diff's and agree
+with the boxes drawn. Sizes are checked from the page's SVG here, and measured in headless
+Chromium where it is installed (Debian: apt-get install chromium). No graphviz needed."""
 
 from __future__ import annotations
 
+import html
 import json
+import pathlib
 import re
 import shutil
 import struct
@@ -16,70 +19,80 @@ from click.testing import CliRunner
 
 from hlotool.cli import cli
 
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None,
-                               reason="graphviz `dot` not installed (apt-get install graphviz)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="headless Chromium not installed (apt-get install chromium)")
-
-# At L = 512 the cost verdict picks the chunked kernel on the CPU: a 100-instruction kernel.
-MODEL = """\
-import jax, jax.numpy as jnp
-
-@jax.jit
-def forward(q, k, v):
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
-
-x = jnp.ones((1, 512, 2, 16))
-forward(x, x, x)
-"""
-# dot's labels are 10 pt; 1 pt is 4/3 px.
-LABEL_PT = 10
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "causal_decoder.py"
+# Box labels are 11 px at scale 1; the report never scales them below 9 px.
+LABEL_PX = 11
+SCREEN = (1600, 1200)
 
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
+    """The README's command on the bundled example, and its text diff."""
     tmp = tmp_path_factory.mktemp("report")
-    (tmp / "model.py").write_text(MODEL)
     out = tmp / "report.html"
-    result = CliRunner().invoke(cli, ["diff", str(tmp / "model.py"), "-o", str(out)])
+    result = CliRunner().invoke(cli, ["diff", str(EXAMPLE), "-o", str(out)])
     assert result.exit_code == 0, result.output
-    return out
+    text = CliRunner().invoke(cli, ["diff", str(EXAMPLE)], env={"COLUMNS": "1000"})
+    assert text.exit_code == 0, text.output
+    return out, text.stdout
 
 
-def _sizes(svg: str) -> tuple[float, float]:
-    """(drawn width in pt, viewBox width) of an inline SVG."""
-    width = float(re.search(r'<svg width="([\d.]+)pt"', svg).group(1))
-    view = float(re.search(r'viewBox="[-\d.]+ [-\d.]+ ([\d.]+) ', svg).group(1))
-    return width, view
+def _size(svg: str) -> tuple[float, float, float]:
+    """(drawn width px, drawn height px, viewBox width) of an inline SVG."""
+    m = re.search(r'<svg xmlns="[^"]+" width="([\d.]+)" height="([\d.]+)" '
+                  r'viewBox="0 0 ([\d.]+) ', svg)
+    return float(m.group(1)), float(m.group(2)), float(m.group(3))
 
 
-@needs_dot
-def test_pairs_share_one_scale_and_labels_stay_readable(page):
-    text = page.read_text()
-    pair = re.search(r'<div class="pair">(.*?)</div></div></div>', text, re.S).group(1)
-    sides = re.findall(r"<svg\b.*?</svg>", pair, re.S)
-    assert len(sides) == 2
-    scales = [w / v for w, v in map(_sizes, sides)]
-    assert abs(scales[0] - scales[1]) < 0.01  # native and rewritten at one scale
-    assert min(scales) * LABEL_PT * 4 / 3 >= 9.0  # px of a label at the page's own zoom
+def _pairs(text: str) -> list[list[str]]:
+    return [re.findall(r"<svg\b.*?</svg>", pair, re.S)
+            for pair in re.findall(r'<div class="pair">(.*?)</div></div></div>', text, re.S)]
+
+
+def test_pairs_share_one_scale_and_stay_a_sane_size(page):
+    text = page[0].read_text()
+    pairs = _pairs(text)
+    assert len(pairs) >= 4  # train_step's two layers and "other", forward's two sites
+    for native, rewritten in pairs:
+        (nw, nh, nv), (rw, rh, rv) = _size(native), _size(rewritten)
+        assert abs(nw / nv - rw / rv) < 0.01  # native and rewritten at one scale
+        assert min(nw / nv, rw / rv) * LABEL_PX >= 9.0  # px of a label at the page's zoom
+        # Was: a 6000 px wide rewritten side and a 4000 px tall native one.
+        assert max(nw, rw) <= 1.2 * 760 and max(nh, rh) <= 2.5 * SCREEN[1], (nw, nh, rw, rh)
     assert "max-width:100%" not in text  # browser zoom works on the drawings
 
 
-@needs_dot
 def test_kernel_is_one_box_with_its_inside_on_demand(page):
-    text = page.read_text()
-    rewritten = re.findall(r"<h3>rewritten.*?</svg>", text, re.S)[0]
-    assert rewritten.count('class="node kernel"') == 1
-    assert "chunked kernel" in rewritten
-    # The box replaces the kernel's instructions: the side stays small.
-    assert rewritten.count('class="node ') < 40
+    text = page[0].read_text()
+    for rewritten in re.findall(r"<h3>rewritten.*?</svg>", text, re.S):
+        assert rewritten.count('class="node kernel"') <= 1
+    first = re.findall(r"<h3>rewritten.*?</svg>", text, re.S)[0]
+    assert first.count('class="node kernel"') == 1 and "chunked kernel" in first
+    assert first.count('class="node ') < 40  # the box replaces the kernel's instructions
     inside = re.search(r"<details><summary>inside the chunked kernel \((\d+) instructions, "
                        r"drawn as one box above\)</summary>(.*?)</details>", text, re.S)
-    assert inside and int(inside.group(1)) > 40 and "<svg" in inside.group(2)
+    assert inside and int(inside.group(1)) > 100 and "<svg" in inside.group(2)
     assert "<details open><summary>forward: normalized HLO diff" in text
     assert "<script" not in text and " src=" not in text and "<link" not in text
+
+
+def test_numbers_per_site_are_the_text_diffs(page):
+    text, summary = page[0].read_text(), page[1]
+    shown = [html.unescape(line) for line in re.findall(r'<p class="line">(.*?)</p>', text)]
+    said = [line.split(": ", 2)[2] for line in summary.splitlines()
+            if re.match(r"  (site \d+|other): ", line)]
+    assert shown == said
+    # Both layers of train_step are rewritten, each counted once, and alike.
+    assert all(re.match(r"−\d+ instructions, \+\d+, L×L buffers 28 → \d+ ", line)
+               for line in said[:2]), said
+    assert "no change" not in said
+    # Every coloured box of a site's picture is its own: the changes outside any site add
+    # nothing, and their picture shows no added box.
+    other = re.search(r'<section id="f0-s2"><h2>train_step · other:.*?</section>', text, re.S)
+    assert ", +0" in other.group(0) and 'class="node added"' not in other.group(0)
 
 
 def _png_size(path) -> tuple[int, int]:
@@ -93,40 +106,52 @@ def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars",
-         "--window-size=1600,1200", *args],
+         f"--window-size={SCREEN[0]},{SCREEN[1]}", *args],
         capture_output=True, text=True, timeout=120, check=False)
 
 
-# Injected into a copy of the page (the report itself runs no script): the smallest label
-# of the side-by-side drawings, in screen px, and the scale of each drawing.
+# Injected into a copy of the page (the report itself runs no script): where the first
+# kernel box is on the screen and in its pane, the smallest label of the side-by-side
+# drawings in screen px, and the scale of each drawing.
 MEASURE = """<script>
 addEventListener("load", () => {
+  const rect = e => { const r = e.getBoundingClientRect();
+                      return [r.left, r.top, r.right, r.bottom]; };
+  const box = document.querySelector(".pair .node.kernel");
   const px = [...document.querySelectorAll(".pane svg text")]
     .filter(t => t.getBBox().width > 0 && t.closest("details") === null)
     .map(t => parseFloat(getComputedStyle(t).fontSize) * t.getScreenCTM().a);
   const scales = [...document.querySelectorAll(".pair svg")].map(s => s.getScreenCTM().a);
   const out = document.createElement("pre");
   out.id = "measured";
-  out.textContent = JSON.stringify({min_px: Math.min(...px), labels: px.length, scales});
+  out.textContent = JSON.stringify({
+    min_px: Math.min(...px), labels: px.length, scales, kernel: rect(box),
+    pane: rect(box.closest(".pane")), screen: [innerWidth, innerHeight]});
   document.body.append(out);
 });
 </script>"""
 
 
-@needs_dot
 @needs_chromium
-def test_in_chromium_at_1600x1200(page, tmp_path):
+def test_in_chromium_at_1600x1200_the_kernel_is_in_the_first_screen(page, tmp_path):
+    report = page[0]
     shot = tmp_path / "report.png"
-    done = _chromium(tmp_path, f"--screenshot={shot}", page.as_uri())
+    done = _chromium(tmp_path, f"--screenshot={shot}", report.as_uri())
     assert shot.is_file(), done.stderr
-    assert _png_size(shot) == (1600, 1200)
+    assert _png_size(shot) == SCREEN
     probe = tmp_path / "probe.html"
-    probe.write_text(page.read_text().replace("</body>", MEASURE + "</body>"))
+    probe.write_text(report.read_text().replace("</body>", MEASURE + "</body>"))
     dom = _chromium(tmp_path, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri())
     found = re.search(r'<pre id="measured">(.*?)</pre>', dom.stdout)
     assert found, dom.stderr[-2000:]
-    measured = json.loads(found.group(1))
-    assert measured["labels"] > 20
-    assert measured["min_px"] >= 9.0, measured
-    first, second = measured["scales"][:2]
-    assert abs(first - second) < 0.01, measured  # one scale for both sides
+    m = json.loads(found.group(1))
+    width, height = m["screen"]  # the viewport: headless Chromium's window less its frame
+    assert width == SCREEN[0] and height <= SCREEN[1]
+    left, top, right, bottom = m["kernel"]
+    assert 0 <= left and right <= width and 0 <= top and bottom <= height, m
+    p_left, p_top, p_right, p_bottom = m["pane"]
+    assert p_left <= left and right <= p_right and p_top <= top and bottom <= p_bottom, m
+    assert m["labels"] > 20
+    assert m["min_px"] >= 9.0, m
+    first, second = m["scales"][:2]
+    assert abs(first - second) < 0.01, m  # one scale for both sides
