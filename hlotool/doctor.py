@@ -4,8 +4,9 @@ One screen: python, jax, jaxlib and libtpu against the ranges hlotool was tested
 installed package's own requirements, so pyproject.toml is their one source); each jax hook
 of `hlotool.jaxcompat`; each kernel provider; a deviceless compile per TPU target; graphviz's
 `dot`. Exits 0 when every feature of this install works. What is merely optional and not
-installed (libtpu for TPU targets, tokamax) is listed as "off", with how to get it; a
-version outside the tested range that still passes every check is a warning.
+installed (libtpu for TPU targets, tokamax, `dot` for PNG pictures) is listed as "off",
+with how to get it; a version outside the tested range that still passes every check is a
+warning.
 """
 
 from __future__ import annotations
@@ -192,16 +193,19 @@ def target_checks() -> list[Check]:
 
 
 def graphviz_check() -> Check:
+    """graphviz's `dot` is optional: hlotool draws its pictures itself, and only
+    `diff --format png` hands them to `dot`."""
     exe = shutil.which("dot")
     if exe is None:
-        return Check("graphviz dot", FAIL, "not found: hlotool diff's pictures need it "
-                     "(apt-get install graphviz)")
+        return Check("graphviz dot", OFF, "optional, not found: only `diff --format png` "
+                     "needs it (apt-get install graphviz)")
     try:
         done = subprocess.run([exe, "-V"], capture_output=True, text=True, timeout=30)
         version = (done.stderr or done.stdout).strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError) as e:
-        return Check("graphviz dot", FAIL, f"{exe} does not run: {e}")
-    return Check("graphviz dot", OK, f"{exe} ({version})")
+        return Check("graphviz dot", WARN, f"{exe} does not run ({e}): `diff --format png` "
+                     "will fail")
+    return Check("graphviz dot", OK, f"{exe} ({version}): for `diff --format png`")
 
 
 def features(checks: list[Check]) -> list[tuple[str, str]]:
@@ -219,7 +223,7 @@ def features(checks: list[Check]) -> list[tuple[str, str]]:
     flash = FAIL if jaxcompat.missing("flash_jit") else OK
     tpu = FAIL if jaxcompat.missing("tpu targets") else worst(("target ",))
     return [("inspect/dump/cost", capture), ("flash_jit", flash), ("TPU targets", tpu),
-            ("diff pictures", worst(("graphviz",)))]
+            ("diff png", worst(("graphviz",)))]
 
 
 def all_checks() -> list[Check]:
@@ -253,8 +257,9 @@ def render(checks: list[Check], term: Term | None = None) -> str:
 def doctor() -> None:
     """Check that this install works: python, jax, jaxlib and libtpu against the tested
     ranges, each jax API hlotool hooks into, each kernel provider, a deviceless compile
-    for each TPU target, and graphviz's dot. Exits 1 when something this install offers
-    does not work; optional parts that are not installed are listed as off."""
+    for each TPU target, and graphviz's dot (optional: PNG pictures only). Exits 1 when
+    something this install offers does not work; optional parts that are not installed
+    are listed as off."""
     checks = all_checks()
     click.echo(render(checks))
     sys.exit(1 if any(c.status == FAIL for c in checks) else 0)
