@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from hlotool.cli import cli
 from hlotool.report import console
 from hlotool.report.console import Term, printable, progress
-from hlotool.report.table import format_table
+from hlotool.report.table import fit_table, format_table
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -52,8 +52,28 @@ def test_output_fits_100_columns(model, command):
     assert wide.exit_code == 0 and narrow.exit_code == 0, narrow.output
     assert max(map(len, wide.stdout.splitlines())) > 100  # piped: lines as long as they come
     assert max(map(len, narrow.stdout.splitlines())) <= 100
-    # Fitting wraps lines and cells; it drops nothing (only a table's rule gets shorter).
-    assert _letters(narrow.stdout) == _letters(wide.stdout)
+    # Fitting wraps lines and cells between words, and leaves out whole columns, by name: every
+    # word of the narrow output is one of the wide output's, and nothing else is missing.
+    left_out = LEFT_OUT.findall(narrow.stdout)
+    kept = LEFT_OUT.sub("", narrow.stdout)
+    words = set(wide.stdout.split())
+    assert {w for w in kept.split() if w.strip("─")} <= words | set(_path_pieces(words))
+    if not left_out:
+        assert _letters(kept) == _letters(wide.stdout)
+
+
+def _path_pieces(words):
+    """What a path may break into at its slashes: `/tmp/`, `a_directory/`, `model.py:5`."""
+    for word in words:
+        parts = word.split("/")
+        for i in range(len(parts)):
+            for j in range(i + 1, len(parts) + 1):
+                yield "/".join(parts[i:j]) + ("/" if j < len(parts) else "")
+                if i == 0 and j < len(parts):
+                    yield "/".join(parts[:j])
+
+
+LEFT_OUT = re.compile(r"\(left out to fit \d+ columns: (.*?); --json has every field\)", re.S)
 
 
 def test_inspect_fits_100_columns(model):
@@ -62,11 +82,13 @@ def test_inspect_fits_100_columns(model):
     assert wide.exit_code == 0 and narrow.exit_code == 0, narrow.output
     assert max(map(len, wide.stdout.splitlines())) > 100
     assert max(map(len, narrow.stdout.splitlines())) <= 100
-    # The sites table leaves out its layout column first and says so; shapes, dtype and
-    # score bytes stay whole.
+    # The sites table leaves out its layout column first and says so; the long function name
+    # and the shapes stay whole, the path breaks only after a slash.
     assert "(left out to fit 100 columns: layout" in narrow.stdout
-    assert "[2,64,4,16]" in narrow.stdout and "float32" in narrow.stdout
-    assert "128.0 KiB" in narrow.stdout
+    assert "[2,64,4,16]" in narrow.stdout
+    assert narrow.stdout.count(" attention_with_a_rather_long_descriptive_name ") == 2
+    assert re.search(r"\sa_directory_with_a_long_name/\s+\[2,64,4,16\]\n\s+model\.py:5\n",
+                     narrow.stdout)
     assert "What XLA does natively (cpu, tpu-v5e):" in narrow.stdout
 
 
@@ -76,16 +98,19 @@ def test_cost_leaves_out_columns_it_cannot_fit_and_says_so(model):
     assert wide.exit_code == 0 and narrow.exit_code == 0, narrow.output
     assert "XLA flops native / kernel" in wide.stdout.splitlines()[1]
     assert max(map(len, narrow.stdout.splitlines())) <= 100
-    assert narrow.stdout.splitlines()[-1] == (
-        "(left out to fit 100 columns: XLA flops native / kernel; --json has every field)")
-    # Every verdict is there in full, wrapped in its column.
-    verdict = " ".join(line[line.index("keep native"):] for line in wide.stdout.splitlines()
-                       if "keep native" in line)
-    lines = narrow.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("site "))
-    column = lines[header].index("verdict")
-    wrapped = " ".join(line[column:] for line in lines[header + 2:-1])
-    assert wrapped.split() == verdict.split()
+    assert "(left out to fit 100 columns: kernel HBM, XLA flops native / kernel; --json has " \
+        "every field)" in " ".join(narrow.stdout.split())
+    # Nothing refers to the column left out: the legend of its * goes with it.
+    assert "XLA's number is known to be wrong" in wide.stdout
+    assert "XLA's number is known to be wrong" not in narrow.stdout
+    # The three targets share one reason: each row says "keep native [1]" (narrow: over two
+    # lines), and the reason is written once, under the table, in full.
+    assert sum(line.endswith(" keep native [1]") for line in wide.stdout.splitlines()) == 3
+    assert sum(line.endswith(" native [1]") for line in narrow.stdout.splitlines()) == 3
+    for out in (wide.stdout, narrow.stdout):
+        assert " ".join(out.split()).count("short sequence: Lq=64, Lk=64;") == 1
+    (note,) = re.findall(r"\[1\] short sequence.*", " ".join(narrow.stdout.split()))
+    assert note == re.search(r"\[1\] short sequence.*", wide.stdout).group(0)
 
 
 def _letters(text: str) -> collections.Counter:
@@ -112,6 +137,69 @@ def test_table_wraps_prose_columns_and_keeps_numbers_whole():
     lines = text.splitlines()
     assert max(map(len, lines)) <= 30 and len(lines) > 3
     assert "12345" in lines[2] and all("1234" not in line for line in lines[3:])
+
+
+SITE_ROWS = [["1", "train_step", "examples/causal_decoder.py:56", "BLHD",
+              "[2,64,4,16] [2,64,4,16] [2,64,4,16]", "float32", "4/4", "0.25", "causal",
+              "128.0 KiB"],
+             ["2", "forward", "/home/someone/projects/model/decoder.py:102", "BLHD",
+              "[2,64,4,16] [2,64,4,16] [2,64,4,16]", "bfloat16", "4/4", "0.25", "causal",
+              "64.0 KiB"]]
+SITE_HEADERS = ("#", "function", "source", "layout", "q k v", "dtype", "heads q/kv", "scale",
+                "mask", "scores")
+
+
+@pytest.mark.parametrize("width", [120, 100, 80, 60, 40])
+def test_a_narrow_table_breaks_no_word_and_names_what_it_leaves_out(width):
+    fitted = fit_table(SITE_HEADERS, SITE_ROWS, right_aligned={0, 9},
+                       wrap={1: 10, 2: 30, 4: 11}, optional=(3, 7, 6), term=Term(width=width))
+    lines = fitted.text.splitlines()
+    assert max(map(len, lines)) <= width
+    assert lines[0].startswith("#  function")  # the key other tables refer to stays
+    words = fitted.text.split()
+    assert "train_step" in words and "forward" in words  # never `train_ste` + `p`
+    shown = [h for h in SITE_HEADERS if h not in fitted.left_out]
+    for title in fitted.left_out:
+        assert title not in lines[0]
+    if "q k v" in shown:
+        assert words.count("[2,64,4,16]") == 6
+    if "scores" in shown:
+        assert "128.0 KiB" in fitted.text and "64.0 KiB" in fitted.text  # number and unit
+    if "source" in shown:  # a path breaks after a slash only
+        for name in ("causal_decoder.py:56", "decoder.py:102"):
+            assert re.search(rf"(^|\s|/){re.escape(name)}(\s|$)", fitted.text, re.M)
+    left = LEFT_OUT.search(fitted.text)
+    assert (left is None) == (not fitted.left_out)
+    if left:
+        assert " ".join(left.group(1).split()) == ", ".join(fitted.left_out)
+        # The optional columns go first, in their order; then others from the right.
+        first = {"layout", "scale", "heads q/kv"}
+        assert first <= set(fitted.left_out) or set(fitted.left_out) <= first
+
+
+def test_memory_and_profile_tables_fit_80_columns():
+    from hlotool.report.memory import Memory, MemoryRow, render_memory
+    from hlotool.report.profile import FunctionProfile, SiteProfile, render_profile
+
+    big, small = Memory(8 << 20, 2 << 20, 0, 128 << 20, 9 << 20), Memory(8 << 20, 2 << 20, 0,
+                                                                           12 << 20, 9 << 20)
+    rows = [MemoryRow("train_step", "cpu", big, small),
+            MemoryRow("forward", "tpu-v5e", small, big, kernel_if_paid="splash_tpu"),
+            MemoryRow("forward", "tpu-v6e", None, big, note="native does not fit in tpu-v6e")]
+    text = render_memory(rows, Term(width=80))
+    assert max(map(len, text.splitlines())) <= 80
+    for whole in ("train_step", "tpu-v5e*", "−116.0 MiB", "(×0.16)", "+116.0 MiB", "- [1]"):
+        assert whole in text
+    assert "\n[1] native does not fit in tpu-v6e\n" in text
+    assert "(tpu-v5e: splash_tpu;" in text
+    site = SiteProfile("train_step", 1, "examples/causal_decoder.py:56", (2, 64, 4, 16),
+                       "chunked", 1.2e-3, 2.4e-3, 3e-4, 6e-5)
+    text = render_profile([FunctionProfile("train_step", 3, 0.01, 0.02, 8e-3, 9e-3,
+                                           (site, site), {"native": "x"})], Term(width=80))
+    assert max(map(len, text.splitlines())) <= 80
+    assert "train_step" in text.split() and "causal_decoder.py:56" in text.split()
+    for whole in ("1.2 ms", "2.4 ms", "×0.50", "×5.00"):
+        assert whole in text, text
 
 
 def test_printable_escapes_control_characters():

@@ -71,12 +71,28 @@ class Term:
         hang = indent if hang is None else hang
         if self.width is None:
             return indent + text
-        return textwrap.fill(text, max(self.width, 40), initial_indent=indent,
-                             subsequent_indent=hang, break_on_hyphens=False)
+        return _Wrapper(max(self.width, 40), initial_indent=indent, subsequent_indent=hang,
+                        break_on_hyphens=False).fill(text)
 
     def style(self, text: str, style: str) -> str:
         """`text` in a rich style ("bold", "red", ...) when colour is on."""
         return self.render(Text(text, style=style)) if self.color else text
+
+
+class _Wrapper(textwrap.TextWrapper):
+    """textwrap, but a word too long for a line (a path) breaks after a `/` where it can,
+    not in the middle of a name."""
+
+    def _handle_long_word(self, reversed_chunks: list[str], cur_line: list[str], cur_len: int,
+                          width: int) -> None:
+        room = max(width - cur_len, 1)
+        chunk = reversed_chunks[-1]
+        cut = chunk.rfind("/", 0, room) + 1
+        if cut <= 0 or cut == len(chunk):
+            super()._handle_long_word(reversed_chunks, cur_line, cur_len, width)
+            return
+        cur_line.append(chunk[:cut])
+        reversed_chunks[-1] = chunk[cut:]
 
 
 @contextlib.contextmanager
