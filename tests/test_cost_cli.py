@@ -62,7 +62,11 @@ def test_table_and_plot(model, tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("1 attention site in") and \
         "priced for inference (forward pass only)" in lines[0]
-    assert sum("kernel pays (×" in line for line in lines) == 2
+    # Two targets, two reasons (their figures differ): each row refers to its own note.
+    assert [line.split()[-3:] for line in lines if "kernel pays [" in line] == [
+        ["kernel", "pays", "[1]"], ["kernel", "pays", "[2]"]]
+    assert [line.split()[0] for line in lines if line.startswith("[")] == ["[1]", "[2]"]
+    assert sum("less HBM traffic, roofline" in line for line in lines) == 2
     assert result.stderr == f"wrote {svg}\n"
     root = ET.parse(svg).getroot()
     ns = "{http://www.w3.org/2000/svg}"

@@ -22,7 +22,7 @@ from hlotool.errors import HlotoolError, write_output
 from hlotool.hardware import get_hardware
 from hlotool.report.console import Term, progress
 from hlotool.report.fit import does_not_fit
-from hlotool.report.table import format_table
+from hlotool.report.table import fit_table
 from hlotool.site import AttentionSite
 from hlotool.units import format_bytes, format_seconds
 
@@ -58,13 +58,18 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
     term = term or Term()
     priced = ("training (forward and backward pass)" if backward
               else "inference (forward pass only)")
+    rows, notes = table(entries)
+    fitted = fit_table(HEADERS, rows, right_aligned={2, 3, 4, 5, 6},
+                       wrap={0: 12, 1: 7, 6: 11, 7: 11},
+                       optional=(6, 5, 4), keep={0, 1, 7}, term=term)
+    legend = ["t: roofline time", "c/m: compute- or memory-bound"]
+    if HEADERS[6] not in fitted.left_out:  # no legend for a column the table left out
+        legend.append("* XLA's number is known to be wrong there (--json says why)")
     header = (f"{len(sites)} attention site{'s' if len(sites) != 1 else ''} in {path}, "
-              f"priced for {priced}."
-              " t: roofline time, c/m: compute- or memory-bound; * XLA's number is known to "
-              "be wrong there (--json says why)")
-    return term.wrap(header) + "\n" + format_table(
-        HEADERS, table(entries), right_aligned={2, 3, 4, 5, 6}, wrap={0, 7}, optional=(6, 5, 4),
-        term=term)
+              f"priced for {priced}. {'; '.join(legend)}")
+    return "\n".join([term.wrap(header), fitted.text, *(
+        term.wrap(f"{note}", f"[{n}] ", " " * (len(str(n)) + 3))
+        for n, note in enumerate(notes, 1))])
 
 
 def _fusion_in_program(functions: Sequence, sites: Sequence, names: Sequence[str]
@@ -149,10 +154,12 @@ def site_entry(site: AttentionSite, targets: Sequence[str], *, with_xla: bool = 
     return out
 
 
-def table(entries: Sequence[dict[str, Any]]) -> list[list[Any]]:
+def table(entries: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
     """Rows: site, target, native/kernel time and HBM bytes, XLA flops per side, verdict
-    (green where the kernel pays; a native program too big for the chip leads it)."""
-    rows = []
+    (green where the kernel pays); and the verdicts' reasons, each once, which the verdict
+    cells refer to by number ("keep native [1]"): one short-sequence reason holds for every
+    target and every site of one shape."""
+    rows, notes = [], {}
     for i, e in enumerate(entries, 1):
         s = e["site"]
         label = f"{i} {s['function'] or '-'} L={s['q_len']}x{s['kv_len']} D={s['head_dim']}"
@@ -160,21 +167,31 @@ def table(entries: Sequence[dict[str, Any]]) -> list[list[Any]]:
             v = t["verdict"]
             n, k = v["native"], v["kernel"] or {}
             x = t.get("xla", {})
+            decision, why = _split_verdict(v["reason"], v["pays"])
+            why = "; ".join(filter(None, (t.get("does_not_fit"), why)))
+            ref = f" [{notes.setdefault(why, len(notes) + 1)}]" if why else ""
             rows.append([
                 label, name,
                 format_seconds(n["seconds"]) + f" {n['bound'][0]}",
                 format_seconds(k["seconds"]) + f" {k['bound'][0]}" if k else "-",
                 format_bytes(n["hbm_bytes"]), format_bytes(k["hbm_bytes"]) if k else "-",
                 f"{_flops(x.get('native'))} / {_flops(x.get('kernel'))}",
-                Text("; ".join(filter(None, (t.get("does_not_fit"), v["reason"]))),
-                     style="green" if v["pays"] else ""),
+                Text(decision + ref, style="green" if v["pays"] else ""),
             ])
             label = ""
         m = e.get("measured")
         if m:
             cells = [_measured(m.get(side, {})) for side in ("native", "kernel")]
             rows.append(["", "measured (this host)", cells[0], cells[1], "", "", "", ""])
-    return rows
+    return rows, list(notes)
+
+
+def _split_verdict(reason: str, pays: bool) -> tuple[str, str]:
+    """"keep native (short sequence: …)" → ("keep native", "short sequence: …")."""
+    decision = "kernel pays" if pays else "keep native"
+    if reason.startswith(decision + " (") and reason.endswith(")"):
+        return decision, reason[len(decision) + 2:-1]
+    return decision, reason.removeprefix(decision).strip()
 
 
 HEADERS = ["site", "target", "native t", "kernel t", "native HBM", "kernel HBM",
