@@ -83,7 +83,7 @@ def test_profile_reports_per_site_time_from_the_trace_and_keeps_it(model, tmp_pa
     # hlotool's own directory takes another run; the table names the site and its kernel.
     again = run("profile", model + ":attend", "--trace", where, "--repeats", "1")
     assert again.returncode == 0, again.stderr
-    (row,) = [ln for ln in again.stdout.splitlines() if ln.startswith("attend    site1")]
+    (row,) = [ln for ln in again.stdout.splitlines() if ln.startswith("attend site1")]
     assert f"{model}:5" in row and "chunked" in row
     assert len(glob.glob(os.path.join(where, "001_jit_attend", "native", "plugins", "profile",
                                       "*"))) == 2

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hlotool.errors import HlotoolError
 from hlotool.report.console import Term, printable
-from hlotool.report.table import format_table
+from hlotool.report.table import fit_table, format_table
 from hlotool.units import format_seconds
 
 if TYPE_CHECKING:
@@ -169,8 +169,8 @@ def _ratio(ratio: float | None) -> str:
     return "-" if ratio is None else f"×{ratio:.2f}"
 
 
-SITE_HEADERS = ("function", "site", "source", "kernel", "native (trace)", "rewritten (trace)",
-                "measured", "predicted native", "predicted kernel", "predicted")
+SITE_HEADERS = ("site", "source", "kernel", "native (trace)", "rewritten (trace)", "measured",
+                "predicted native", "predicted kernel", "predicted")
 FUNCTION_HEADERS = ("function", "native wall", "rewritten wall", "native ops",
                     "rewritten ops", "speed-up (wall)")
 
@@ -188,15 +188,18 @@ def render_profile(profiles: Sequence[FunctionProfile], term: Term | None = None
                 for p in measured]
         out.append(format_table(FUNCTION_HEADERS, rows, right_aligned=set(range(1, 6)),
                                 wrap={0: 10}, term=term))
-        site_rows = [[printable(s.function), f"site{s.index}", printable(s.source or "?"),
+        # "attend site1": the function and the N of its hlotool/siteN scope in the trace.
+        site_rows = [[f"{printable(s.function)} site{s.index}", printable(s.source or "?"),
                       s.kernel or "native", _s(s.native_seconds), _s(s.rewritten_seconds),
                       _ratio(s.measured_ratio), _s(s.predicted_native_seconds),
                       _s(s.predicted_kernel_seconds), _ratio(s.predicted_ratio)]
                      for p in measured for s in p.sites]
-        out.append("\nPer site, from the trace (seconds per call; measured and predicted: "
-                   "native ÷ rewritten)")
-        out.append(format_table(SITE_HEADERS, site_rows, right_aligned=set(range(4, 10)),
-                                wrap={0: 10, 2: 20}, term=term))
+        fitted = fit_table(SITE_HEADERS, site_rows, right_aligned=set(range(3, 9)),
+                           wrap={0: 10, 1: 20}, optional=(6, 7, 2), keep={0, 5, 8}, term=term)
+        ratios = [t for t in ("measured", "predicted") if t not in fitted.left_out]
+        out.append("\n" + term.wrap("Per site, from the trace (seconds per call" + (
+            f"; {' and '.join(ratios)}: native ÷ rewritten)" if ratios else ")")))
+        out.append(fitted.text)
     for p in profiles:
         if p.note:
             out.append(term.wrap(f"{printable(p.function)}: {printable(p.note)}", "", "  "))
