@@ -812,7 +812,10 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
     memory_analysis of the native and the rewritten program side by side (arguments,
     outputs, aliased, temporaries, XLA's peak) and what each needs: the larger of the peak
     and arguments + outputs − aliased + temporaries (XLA:CPU's peak leaves temporaries out,
-    XLA:TPU's temporaries leave out its fusions' buffers). --stage with -o writes each rewritten program like `dump`, as
+    XLA:TPU's temporaries leave out its fusions' buffers). Where auto keeps a function's
+    sites native for cost, its rows (target marked *) show the kernel the target's platform
+    would run if it paid; --fail-on-memory-growth does not count them, as no rewrite was
+    made. --stage with -o writes each rewritten program like `dump`, as
     NNN_jit_NAME.flash.<stage file>. SCRIPT:NAME and `--` script arguments work as for
     `inspect`.
     """
@@ -846,6 +849,8 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
             for t in compile_targets:
                 with progress(f"compiling native and rewritten {f.name} for {t.name}"):
                     memory.append(memory_row(f, rewritten, t.name))
+        elif kernel == "auto":
+            memory += _memory_if_it_paid(f, report, compile_targets)
     if as_json:
         click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,
                                "targets": [t.name for t in compile_targets],
@@ -859,6 +864,30 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
                     f"{', '.join(t.name for t in compile_targets)})", render_memory(memory, term)]
         _echo("\n".join(out), term)
     _memory_gate(memory, fail_on_memory_growth)
+
+
+def _memory_if_it_paid(f: CapturedFunction, report: Any, targets: Sequence[Target]
+                       ) -> list[Any]:
+    """Where auto keeps every site of `f` native: per target, `f`'s memory beside the kernel
+    the target's platform would run if it paid (the one `diff` draws there), so that what a
+    swap would cost in memory shows before anyone asks for it."""
+    from hlotool.flash import rewrite_captured
+    from hlotool.report.memory import memory_row
+
+    rows, rewritten = [], {}
+    for t in targets:
+        fallback = _kernel_if_it_paid(report, t.platform)
+        if fallback is None:
+            continue  # kept native for another reason than cost: no kernel takes it
+        name = fallback[0]
+        if name not in rewritten:
+            with progress(f"rewriting {f.name} with {name}"):
+                took, program = rewrite_captured(f, name)
+            rewritten[name] = program if took.rewritten else None
+        if rewritten[name] is not None:
+            with progress(f"compiling native and {name} {f.name} for {t.name}"):
+                rows.append(memory_row(f, rewritten[name], t.name, kernel_if_paid=name))
+    return rows
 
 
 def _memory_gate(rows: Sequence[Any], enabled: bool) -> None:

@@ -124,3 +124,22 @@ def test_dead_attention_is_no_site_for_either_front_end(tmp_path):
     assert diffed.stdout.splitlines()[1:] == ["  init: no attention site"]
     inspected = run("inspect", str(path), "--json")
     assert json.loads(inspected.stdout)["sites"] == []
+
+
+def test_rewrite_says_a_shared_reason_once_and_prices_memory_where_auto_keeps_native(tmp_path):
+    script = write_script(tmp_path) + ":attention"
+    result = run("rewrite", script, "--fail-on-memory-growth", "--", "64")
+    assert result.exit_code == 0, result.output  # no rewrite was made: nothing grew
+    lines = result.stdout.splitlines()
+    # cpu and cuda keep it native for one reason (cuda priced on an h100): said once.
+    (shared,) = [line for line in lines if line.startswith("      cpu")]
+    assert shared.startswith("      cpu, cuda (h100): native (short sequence: Lq=64, Lk=64;")
+    assert result.stdout.count("short sequence") < 3
+    # The memory table compares native with the kernel the CPU would run if it paid.
+    assert "Memory, native → rewritten (XLA memory_analysis; cpu)" in result.stdout
+    (row,) = [line for line in lines if line.startswith("attention ")]
+    assert row.split()[1] == "cpu*"
+    assert any(line.startswith("* auto keeps these functions native") for line in lines)
+    doc = json.loads(run("rewrite", script, "--json", "--", "64").stdout)
+    (memory,) = doc["memory"]
+    assert (memory["target"], memory["kernel_if_paid"]) == ("cpu", "chunked")

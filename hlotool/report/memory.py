@@ -83,6 +83,9 @@ class MemoryRow:
     native: Memory | None
     rewritten: Memory | None
     note: str = ""
+    # Where flash_jit's auto keeps every site native: the kernel the rewritten side runs
+    # instead, the one the target's platform would use if it paid (not a rewrite auto makes).
+    kernel_if_paid: str | None = None
 
     @property
     def change(self) -> int | None:
@@ -100,12 +103,15 @@ class MemoryRow:
                 "native": self.native.to_json() if self.native else None,
                 "rewritten": self.rewritten.to_json() if self.rewritten else None,
                 "change_bytes": self.change, "grows": self.grows,
-                **({"note": self.note} if self.note else {})}
+                **({"note": self.note} if self.note else {}),
+                **({"kernel_if_paid": self.kernel_if_paid} if self.kernel_if_paid else {})}
 
 
-def memory_row(native: CapturedFunction, rewritten: CapturedFunction, target: str) -> MemoryRow:
+def memory_row(native: CapturedFunction, rewritten: CapturedFunction, target: str,
+               kernel_if_paid: str | None = None) -> MemoryRow:
     """Compile both programs for `target` (cached on the captures) and compare their memory.
-    A program the chip cannot hold is that row's note, not an error."""
+    A program the chip cannot hold is that row's note, not an error. kernel_if_paid: the
+    kernel `rewritten` runs where auto kept every site native (see `MemoryRow`)."""
     from hlotool.report.fit import does_not_fit
 
     sides, notes = [], []
@@ -122,12 +128,13 @@ def memory_row(native: CapturedFunction, rewritten: CapturedFunction, target: st
         if memory is None:
             notes.append(f"no memory analysis for {label} on {target}")
         sides.append(memory)
-    return MemoryRow(native.name, target, sides[0], sides[1], "; ".join(notes))
+    return MemoryRow(native.name, target, sides[0], sides[1], "; ".join(notes), kernel_if_paid)
 
 
 def growth(rows: Sequence[MemoryRow]) -> list[MemoryRow]:
-    """The rows whose rewritten program needs more memory than the native one."""
-    return [r for r in rows if r.grows]
+    """The rows whose rewritten program needs more memory than the native one (a kernel
+    shown only for what it would do, where auto keeps native, is no rewrite that grows)."""
+    return [r for r in rows if r.grows and r.kernel_if_paid is None]
 
 
 def growth_line(row: MemoryRow) -> str:
@@ -149,12 +156,13 @@ def _pair(row: MemoryRow, field: str) -> str:
     return f"{_bytes(row.native, field)} → {_bytes(row.rewritten, field)}"
 
 
-def _change(row: MemoryRow, term: Term):
+def _change(row: MemoryRow, note: int | None):
+    """The change in `needs`, or "-" and the number of the note that says why not."""
     from rich.text import Text
 
     change = row.change
     if change is None:
-        return Text(row.note or "-", style="yellow")
+        return Text("-" + (f" [{note}]" if note else ""), style="yellow")
     if change == 0:
         return "same"
     ratio = (row.rewritten.needs / row.native.needs) if row.native.needs else 0
@@ -169,14 +177,30 @@ HEADERS = ("function", "target", "arguments", "outputs", "aliased", "temporaries
 
 def render_memory(rows: Sequence[MemoryRow], term: Term | None = None) -> str:
     """A table, one row per function and target: each figure as native → rewritten;
-    "needs" is the larger of total and XLA's peak, what the change is judged on."""
+    "needs" is the larger of total and XLA's peak, what the change is judged on. A row whose
+    rewritten side is only the kernel that would run if it paid has its target marked *,
+    and a line under the table says so."""
     term = term or Term()
     if not rows:
         return "no rewritten function to compare"
-    body = [[printable(r.function), r.target, _pair(r, "arguments"), _pair(r, "outputs"),
-             _pair(r, "aliased"), _pair(r, "temporaries"), _pair(r, "peak"),
-             _pair(r, "needs"), _change(r, term)] for r in rows]
-    # A narrow terminal folds each "native → rewritten" pair after its arrow; nothing is
-    # left out (--json has the same figures).
-    return format_table(HEADERS, body, right_aligned=set(range(2, 9)),
-                        wrap={0: 9, **{i: 10 for i in range(2, 8)}, 5: 11, 8: 9}, term=term)
+    # A missing side's reason is a sentence: it goes under the table, once.
+    notes = {r.note: None for r in rows if r.change is None and r.note}
+    number = {note: n for n, note in enumerate(notes, 1)}
+    body = [[printable(r.function), r.target + ("*" if r.kernel_if_paid else ""),
+             _pair(r, "arguments"), _pair(r, "outputs"), _pair(r, "aliased"),
+             _pair(r, "temporaries"), _pair(r, "peak"), _pair(r, "needs"),
+             _change(r, number.get(r.note))] for r in rows]
+    # A narrow terminal folds each "native → rewritten" pair after its arrow, then leaves
+    # out the figures that rarely differ (--json has them all).
+    out = [format_table(HEADERS, body, right_aligned=set(range(2, 9)),
+                        wrap={0: 9, 1: 7, **{i: 9 for i in range(2, 8)}, 8: 9},
+                        optional=(4, 3, 2, 6), keep={0, 1, 5, 7, 8}, term=term)]
+    out += [term.wrap(printable(note), f"[{n}] ", " " * (len(str(n)) + 3))
+            for note, n in number.items()]
+    kernels = {f"{r.target}: {r.kernel_if_paid}": None for r in rows if r.kernel_if_paid}
+    if kernels:
+        out.append(term.wrap(
+            "* auto keeps these functions native; the rewritten side runs the kernel the "
+            f"target's platform would use if it paid ({'; '.join(kernels)}; --kernel NAME "
+            "rewrites with it)", "", "  "))
+    return "\n".join(out)
