@@ -17,10 +17,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 GAP = 14.0  # px between boxes of one layer
-WAYPOINT_GAP = 6.0  # px beside an edge's waypoint
+WAYPOINT_GAP = 4.0  # px beside an edge's waypoint
 LAYER_GAP = 22.0  # px between layers
 SWEEPS = 12
-_WAYPOINT = 8.0  # width reserved for an edge passing through a layer
+_WAYPOINT = 4.0  # width reserved for an edge passing through a layer
 
 
 @dataclasses.dataclass
