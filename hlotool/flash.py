@@ -259,7 +259,10 @@ def plan_program(closed: jaxcompat.ClosedJaxpr, function: str, kernel: str = "au
             f"symbolic dimension{'s' if len(symbolic) > 1 else ''} {', '.join(symbolic)} "
             "(shape polymorphism): attention is detected and rewritten for concrete shapes "
             "only")), closed, [])
-    sites = detect_jaxpr(closed, function)
+    try:
+        sites = detect_jaxpr(closed, function)
+    except HlotoolError as err:  # a bug of the detection: the program is left as it is
+        return Plan(Report(function, (), note=first_line(err)), closed, [])
     if any(site.escaping for site in sites):
         # jax's AD of a site inside a nested jit lands in two bodies; inlined, the site's
         # derivative is beside it (`passes.rewrite.inline_calls`).
@@ -402,15 +405,24 @@ class Rewritten:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        closed, dyn, unflatten = trace(self.fn, args, kwargs)
+        closed, dyn, unflatten = trace(self.fn, args, kwargs)  # the user's errors, as jit's
         off = self.disabled(args, kwargs) if self.disabled is not None else None
-        plan = plan_program(closed, name_of(self.fn), self.kernel, off,
-                            mesh_of(dyn, self.in_shardings))
-        self.report = plan.report
+        try:
+            plan = plan_program(closed, name_of(self.fn), self.kernel, off,
+                                mesh_of(dyn, self.in_shardings))
+            self.report = plan.report
+            rewritten = plan.apply()
+            outs = jaxcompat.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *dyn)
+        except jaxcompat.MissingHook:  # this jax lacks what rewriting needs: said in one line
+            raise
+        except Exception as err:  # noqa: BLE001 - hlotool's own failure: run it as written
+            self.report = Report(name_of(self.fn), (), note=(
+                f"hlotool failed on this program ({type(err).__name__}: {first_line(err)}); "
+                "it runs as written"))
+            outs = jaxcompat.eval_jaxpr(closed.jaxpr, closed.consts, *dyn)
         if self.report.note:
             warnings.warn(f"flash_jit: {self.report}", stacklevel=2)
-        closed = plan.apply()
-        return unflatten(jaxcompat.eval_jaxpr(closed.jaxpr, closed.consts, *dyn))
+        return unflatten(outs)
 
 
 def explain(fn: Callable, *args: Any, kernel: str = "auto", **kwargs: Any) -> Report:

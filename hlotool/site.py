@@ -47,7 +47,10 @@ class AttentionSite:
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
-    dtype: str  # dtype of q/k/v as the program holds them, e.g. "float32", "bfloat16"
+    # The dtype the attention's two dots compute in, e.g. "float32", "bfloat16": q/k/v's
+    # own, or what the program promotes them to (a bfloat16 q against float32 k and v, or
+    # float32 probabilities against a bfloat16 v, compute in float32). Kernels take it.
+    dtype: str
     scale: float | None  # multiplier of the scores (q/√d → 1/√d); None when unscaled
     mask: MaskKind = "none"
     # Shape of the mask/bias operand as broadcast against the [.., Lq, Lk] scores, in the

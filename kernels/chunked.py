@@ -399,6 +399,8 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
         dbias_tile = ds
         if capped is not None:
             ds = ds * (1.0 - jnp.square(capped))  # d(c·tanh(x / c)) / dx
+            if visible is not None:  # a hidden key's score may be NaN (a NaN padded key):
+                ds = jnp.where(visible, ds, 0.0)  # its tanh' must not reach dq or dk
         if st.scale != 1.0 and not st.scale_q:
             ds = ds * st.scale  # d(scale·q·k) w.r.t. q·k
         dv_t = _add_keys(dv_t, jnp.einsum("bhdq,bhqk->bhdk", do_t, _kept(e, keep)),

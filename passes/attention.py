@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from hlotool.errors import HlotoolError
-from hlotool.passes import axes, masks
+from hlotool.passes import axes, exactness, masks
 from hlotool.passes.logits import Logits, half_ulp, replay
 from hlotool.passes.graph import (
     LAYOUT_OPS,
@@ -34,8 +34,10 @@ from hlotool.passes.graph import (
     Graph,
     Node,
     compares_with_constant,
+    covers,
     drawn_from_bits,
     fold,
+    fold_exact,
     strip,
     uniform_value,
 )
@@ -238,6 +240,9 @@ class Match:
     # The product of the constants the probabilities are multiplied (or divided) by, which
     # the output takes instead: dropout's 1 / keep_prob where Keras divides p by it.
     out_factor: float = 1.0
+    # Why a kernel call would not reproduce every node of `body` (`passes/exactness.py`),
+    # or None: the site is attention, and stays native.
+    unreproduced: str | None = None
 
 
 def find(graph: Graph, function: str = "") -> list[Match]:
@@ -405,8 +410,6 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
 
     k_entry, k_entry_labels, k_scale = _trace(k_node, k_labels, qside, head_token)
     v_entry, v_entry_labels, v_scale = _trace(v_node, v_labels, qside, head_token)
-    if v_scale != 1.0:
-        raise _Reject("V is scaled by a constant (not a softmax scale)")
     q_layout = roles.layout(q_entry.shape, q_entry_labels, "BLHD")
     k_layout = roles.layout(k_entry.shape, k_entry_labels, "BKHD")
     v_layout = roles.layout(v_entry.shape, v_entry_labels, "BKHE")
@@ -485,7 +488,8 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
                 steps.append(LogitStep(link.kind, node.dtype, term=term))
         elif node.op in ("convert", "reduce_precision"):
             steps.append(LogitStep("cast", node.dtype))
-    multipliers, out_factor = [], 1.0
+    # A constant V is scaled by (dequantizing a fake-quantized V) scales the output alike.
+    multipliers, out_factor = [], v_scale
     sinks = next((t for t in beside if t.kind == "sinks"), None)
     dropped = False
     for at, link in reversed(list(enumerate(probs_links))):
@@ -580,7 +584,7 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
                                            "probs") if name in m}
     site = AttentionSite(
         batch=b, q_len=lq, kv_len=lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-        v_head_dim=dv, dtype=q_entry.dtype, scale=scale * before_split if has_scale else None,
+        v_head_dim=dv, dtype=_compute_dtype(*scores.inputs, *out.inputs), scale=scale * before_split if has_scale else None,
         mask=kind,
         mask_shape=reported.shape if reported is not None and kind in ("additive", "boolean")
         else None,
@@ -602,6 +606,11 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     # A shift's row max is computed from the logits: part of the site, not an operand.
     stops |= {id(s) for link in (*logits_links, *probs_links) if link.kind != "shift"
               for s in link.sides}
+    # The subtractions whose second operand only shifts the softmax: exp(x - max(x)), and
+    # x - stop_gradient(max(x)) before it.
+    shifts = {id(link.node) for link in logits_links if link.kind == "shift"}
+    if "row_max" in m:
+        shifts.add(id(m["exp"].inputs[0]))
     return Match(
         site=site,
         q=Operand(q_entry, q_layout),
@@ -610,7 +619,22 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         out=out, out_layout=out_layout, scale=scale, masks=tuple(masks), steps=tuple(steps),
         logits=chain, multipliers=tuple(multipliers), body=_body(out, stops),
         internals=internals, out_factor=out_factor,
+        unreproduced=exactness.refusal(out, stops, shifts, site.dtype),
     )
+
+
+def _compute_dtype(*dotted: Node) -> str:
+    """The dtype the program's dots compute in, which a kernel computes in too: the one
+    their operands share, else the narrowest float dtype holding all of them (q in
+    bfloat16 against k and v in float32 is a float32 program; so is a bfloat16 program
+    whose probabilities, computed in float32, multiply v in float32)."""
+    dtypes = {n.dtype for n in dotted}
+    if len(dtypes) == 1:
+        return dtypes.pop()
+    for candidate in (*sorted(dtypes), "float32", "float64"):
+        if all(covers(candidate, d) for d in dtypes):
+            return candidate
+    return sorted(dtypes)[0]
 
 
 def _same_value(a: Node, b: Node, budget: int = 256) -> bool:
@@ -733,7 +757,10 @@ def _trace(node: Node, labels: axes.Labels, qside: str, head_token
     before_reshape = None
     while True:
         op = node.op
-        if op in ("convert", "copy", "stop_gradient", "reduce_precision"):
+        # Only casts that keep every value: the kernel reads the operand where this walk
+        # stops, so a stop_gradient, a reduce_precision or a narrowing cast (fake
+        # quantization, a bfloat16 round trip) stays in the program, before the kernel.
+        if op == "copy" or (op == "convert" and covers(node.dtype, node.inputs[0].dtype)):
             step = (labels, [])
         elif op == "transpose":
             step = axes.backward(node, labels)
@@ -1040,7 +1067,7 @@ def _segments(leaf: Node, space: Layout, at: Node, fill: float, rounds_to_fill: 
     for sides in (leaf.inputs, leaf.inputs[::-1]):
         terms = []
         for side, kind, along in zip(sides, ("segment_q", "segment_kv"), ("Q", "K")):
-            term = MaskTerm(kind, at, side, _broadcast_shape(side, len(side.shape)), space,
+            term = MaskTerm(kind, at, side, _broadcast_shape(side, len(leaf.shape)), space,
                             fill=fill, rounds_to_fill=rounds_to_fill)
             varying = _varying_axes([term]) or ""
             if (side.dtype.startswith(("int", "uint")) and along in varying
@@ -1055,7 +1082,7 @@ def _folded_band(leaf: Node, qk: tuple[int, int]) -> masks.Band | None:
     """The band of a constant boolean leaf (a mask computed outside the traced function),
     from its values: the same along every other axis, and True exactly where lo <= j - i <=
     hi."""
-    value = fold(leaf)
+    value = fold_exact(leaf)
     if value is None or value.dtype != np.bool_:
         return None
     value = np.broadcast_to(value, leaf.shape)
@@ -1126,7 +1153,7 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
                             window=window)
         return MaskTerm(band_kind, node, operand, shape, scores_layout, sign=sign,
                         fill=value, via="bias", window=window)
-    value = fold(operand)
+    value = fold_exact(operand)
     if value is not None and _is_causal(value, node, labels, roles, link.kind, sign, keep_when):
         if link.kind == "mask":
             return MaskTerm("causal", node, None, shape, scores_layout, fill=fill)

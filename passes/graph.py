@@ -131,6 +131,43 @@ def rounds_to_itself(dtype: str, exponent_bits: int, mantissa_bits: int) -> bool
     return (exponent_bits, mantissa_bits) == (info.nexp, info.nmant)
 
 
+def _number_kind(dtype: str) -> tuple[str, int, int] | None:
+    """("float", exponent bits, mantissa bits) or ("int", signed, bits) of a dtype name;
+    None for anything else (bool, complex, keys)."""
+    try:
+        np_dtype = _np_dtype(dtype)
+    except TypeError:
+        return None
+    if np_dtype.kind == "f" or dtype.startswith(("bfloat", "float")):
+        info = ml_dtypes.finfo(np_dtype)
+        return "float", int(info.nexp), int(info.nmant)
+    if np_dtype.kind in ("i", "u"):
+        return "int", int(np_dtype.kind == "i"), 8 * np_dtype.itemsize
+    return None
+
+
+def _int_range(signed: int, bits: int) -> tuple[int, int]:
+    return (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
+
+
+def covers(wide: str, narrow: str) -> bool:
+    """Whether every value of dtype `narrow` is a value of dtype `wide`, so a convert from
+    `narrow` to `wide` changes nothing (bool to any number included)."""
+    if wide == narrow or narrow == "bool":
+        return True
+    w, n = _number_kind(wide), _number_kind(narrow)
+    if w is None or n is None:
+        return False
+    if w[0] == n[0] == "float":
+        return w[1] >= n[1] and w[2] >= n[2]
+    if w[0] == n[0] == "int":
+        return _int_range(*w[1:])[0] <= _int_range(*n[1:])[0] and \
+            _int_range(*w[1:])[1] >= _int_range(*n[1:])[1]
+    if w[0] == "float" and n[0] == "int":  # every integer of n counted exactly
+        return w[2] + 1 >= n[2] - n[1]
+    return False
+
+
 def strip(node: Node, ops: Iterable[str] = ("convert", "copy", "stop_gradient")) -> Node:
     """The node under any chain of the given unary ops."""
     ops = frozenset(ops)
@@ -234,6 +271,8 @@ def _fold(node: Node, memo: dict) -> np.ndarray | None:
         return _guard(_COMPARE[node.params["direction"]](*args))
     if op == "integer_pow":
         return _guard(np.power(args[0], node.params["y"]))
+    if op in ("div", "rem") and np.issubdtype(_np_dtype(node.dtype), np.integer):
+        return _integer_division(op, *args)
     if op in _BINARY:
         with np.errstate(all="ignore"):
             return _guard(np.asarray(_BINARY[op](*args)))
@@ -241,6 +280,49 @@ def _fold(node: Node, memo: dict) -> np.ndarray | None:
         with np.errstate(all="ignore"):
             return _guard(np.asarray(_UNARY[op](*args)))
     return None
+
+
+def _integer_division(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """XLA's integer div and rem: the quotient rounds toward zero and the remainder takes
+    the dividend's sign (numpy's // and % floor); None on a zero divisor, which XLA gives
+    no portable value."""
+    if np.any(b == 0):
+        return None
+    remainder = np.fmod(a, b)
+    if op == "rem":
+        return _guard(np.asarray(remainder, a.dtype))
+    return _guard(np.asarray((a - remainder) // b, a.dtype))
+
+
+# Ops whose folded value is the program's bit for bit: they move or select values, cast
+# them, or compare them. Float arithmetic is left out: XLA may fuse it, keep excess
+# precision or use other approximations of exp, so numpy's result can differ in a last bit,
+# and a comparison after it may flip.
+_EXACT_FOLD_OPS = frozenset({"constant", "iota", "broadcast", "reshape", "transpose",
+                             "convert", "copy", "stop_gradient", "slice", "select",
+                             "concatenate", "compare", "and", "or", "not", "xor"})
+
+
+def _integer(dtype: str) -> bool:
+    kind = _number_kind(dtype)
+    return dtype == "bool" or (kind is not None and kind[0] == "int")
+
+
+def fold_exact(node: Node) -> np.ndarray | None:
+    """`fold(node)` where every value it folds is the one the program computes (integer
+    arithmetic, comparisons, casts, layout ops); None where float arithmetic enters."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if len(seen) > FOLD_BUDGET:
+            return None
+        if n.op not in _EXACT_FOLD_OPS and not _integer(n.dtype):
+            return None
+        stack.extend(n.inputs)
+    return fold(node)
 
 
 def _guard(x: np.ndarray) -> np.ndarray | None:
@@ -255,13 +337,23 @@ def compares_with_constant(node: Node) -> bool:
 
 def uniform_value(node: Node) -> float | None:
     """The single value every element of a constant node holds, else None."""
-    source = strip(node, ("broadcast", "convert", "reshape", "copy"))
-    value = fold(source)
+    casts = []  # converts are applied to the one value, as the program applies them
+    while node.op in ("broadcast", "convert", "reshape", "copy") and node.inputs:
+        if node.op == "convert":
+            casts.append(node.dtype)
+        node = node.inputs[0]
+    value = fold(node)
     if value is None or value.size == 0:
         return None
     first = value.flat[0]
     if value.size > 1 and not np.all(value == first):
         return None
+    with np.errstate(all="ignore"):
+        for dtype in reversed(casts):
+            try:
+                first = np.asarray(first).astype(_np_dtype(dtype))
+            except (TypeError, ValueError, OverflowError):
+                return None
     return float(first)
 
 

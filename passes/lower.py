@@ -133,6 +133,8 @@ def lower(site: JaxprSite) -> KernelForm:
         raise RewriteError(
             f"zero-length axis (B={a.batch}, Lq={a.q_len}, Lk={a.kv_len}, H={a.num_q_heads}, "
             f"D={a.head_dim}): nothing for a kernel to compute")
+    if site.match.unreproduced is not None:
+        raise RewriteError(site.match.unreproduced)
     chain = site.match.logits
     if chain.refusal is not None:
         raise RewriteError(chain.refusal)
@@ -226,9 +228,11 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array],
             return scores_operand(m, values[m.var], values[m.direct])
         return scores_operand(m, values[m.var])
 
-    q = site.q.layout.to_canonical(values[site.q.var])
-    k = site.k.layout.to_canonical(values[site.k.var]).astype(q.dtype)
-    v = site.v.layout.to_canonical(values[site.v.var]).astype(q.dtype)
+    # In the dtype the program's dots compute in (`AttentionSite.dtype`): the casts between
+    # each operand and its dot keep every value (`attention._trace`), so these are the
+    # values the dots read.
+    q, k, v = (o.layout.to_canonical(values[o.var]).astype(site.site.dtype)
+               for o in (site.q, site.k, site.v))
     bias = mask = None
     for m, mult in form.biases:
         x = operand(m).astype(jnp.float32) * mult

@@ -120,24 +120,45 @@ def _arange(node: Node) -> Affine | None:
     return Affine(tuple(coef), float(flat[0]))
 
 
-# The largest integer each dtype holds exactly, and every smaller one: an iota or a running
-# sum in bfloat16 stops counting at 256, so its affine reading would be wrong beyond.
-_EXACT_UP_TO = {"bfloat16": 2 ** 8, "float16": 2 ** 11, "float32": 2 ** 24, "float64": 2 ** 53,
-                "int8": 2 ** 7 - 1, "uint8": 2 ** 8 - 1, "int16": 2 ** 15 - 1,
-                "uint16": 2 ** 16 - 1, "int32": 2 ** 31 - 1, "uint32": 2 ** 32 - 1,
-                "int64": 2 ** 63 - 1, "uint64": 2 ** 64 - 1}
+# The integers each dtype holds exactly, every one between: an iota or a running sum in
+# bfloat16 stops counting at 256, and uint32 holds no negative number (`i - j` wraps there).
+# A signed type's most negative value is left out, so that |x| of any value in range holds.
+_EXACT = {"bfloat16": 2 ** 8, "float16": 2 ** 11, "float32": 2 ** 24, "float64": 2 ** 53}
+for _bits in (8, 16, 32, 64):
+    _EXACT[f"int{_bits}"] = 2 ** (_bits - 1) - 1
+    _EXACT[f"uint{_bits}"] = 2 ** _bits - 1
+
+
+def _exact_range(dtype: str) -> tuple[float, float] | None:
+    top = _EXACT.get(dtype)
+    if top is None:
+        return None
+    return (0.0 if dtype.startswith("uint") else -float(top)), float(top)
 
 
 def _eval(node: Node, budget: list[int]) -> Value | None:
     """The symbolic value of `node`; None where it is not one of the forms, or where an
-    affine form takes values its dtype does not hold exactly (folding decides there)."""
+    affine form is not exact in its dtype: it must take integer values only (a float
+    position `arange * 0.1` rounds, and its comparisons with it), each one the dtype holds
+    (folding decides there, or the mask is read as the values the program computes)."""
     value = _eval_unchecked(node, budget)
-    if isinstance(value, Affine):
-        largest = abs(value.const) + sum(abs(c) * (n - 1) for c, n in zip(value.coef,
-                                                                           node.shape))
-        if largest > _EXACT_UP_TO.get(node.dtype, 0):
-            return None
+    if isinstance(value, Affine) and not _exact(value, node):
+        return None
     return value
+
+
+def _exact(form: Affine, node: Node) -> bool:
+    """Whether every value `form` takes over `node`'s indices is an integer its dtype
+    holds exactly."""
+    held = _exact_range(node.dtype)
+    if held is None:
+        return False
+    if any(c != int(c) for c in form.coef) or form.const != int(form.const):
+        return False
+    spans = [c * (n - 1) for c, n in zip(form.coef, node.shape)]
+    lowest = form.const + sum(min(0.0, x) for x in spans)
+    highest = form.const + sum(max(0.0, x) for x in spans)
+    return held[0] <= lowest and highest <= held[1]
 
 
 def _eval_unchecked(node: Node, budget: list[int]) -> Value | None:

@@ -165,8 +165,27 @@ def check(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, backward: Backward | None = N
     if site.out is None:
         raise RewriteError("the attention output is not visible at the site's level")
     for i in site.eqns:
-        if jaxpr.eqns[i].effects:
-            raise RewriteError(f"equation {jaxpr.eqns[i].primitive} of the site has effects")
+        eqn = jaxpr.eqns[i]
+        if eqn.effects:
+            raise RewriteError(f"equation {eqn.primitive} of the site has effects")
+        if eqn.primitive.name in CUSTOM_DERIVATIVES:
+            # Part of the site is inside it (the whole site inside would sit at its level):
+            # dropping it would replace the user's derivative rule with the kernel's.
+            raise RewriteError(
+                f"part of the attention is inside a {eqn.primitive.name} "
+                f"({_callee_name(eqn)}), whose own derivative rule the kernel's would replace")
+
+
+# Calls with a derivative rule of their own (jax.custom_jvp / jax.custom_vjp).
+CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def _callee_name(eqn: jaxcompat.JaxprEqn) -> str:
+    """"mysm at model.py:3": the user's function of a custom_jvp/custom_vjp call, where
+    jax's debug info keeps it."""
+    body = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    info = getattr(getattr(body, "jaxpr", body), "debug_info", None)
+    return getattr(info, "func_src_info", None) or "a user function"
 
 
 def _plain_call(eqn: jaxcompat.JaxprEqn) -> bool:
