@@ -1,12 +1,14 @@
 """Soundness fuzz: generated attention programs through flash_jit, counted per feature.
 
     JAX_PLATFORMS=cpu python benchmarks/soundness_fuzz.py --examples 10000 --jobs 2
+    JAX_PLATFORMS=cpu python benchmarks/soundness_fuzz.py --examples 500 --mode train
 
 Each program (grammar and check in tests/soundness_programs.py) comes out "rewritten" (its
 outputs and gradients equal jax.jit's within the dtype's tolerance), "native" (every site
-kept native with a reason, or no site: look-alikes) or "wrong". Prints one row per feature
-(dtype, layout, mask kind, fill, bias shape, ...) and the wrong programs in full; exits 1 if
-any program is wrong.
+kept native with a reason, or no site: look-alikes), "wrong", or "crashed" (an exception,
+which flash_jit must never raise for a program jax.jit runs). Prints one row per feature
+(dtype, layout, mask kind, fill, bias shape, ...) and the wrong and crashed programs in
+full; exits 1 if there is any.
 """
 
 from __future__ import annotations
@@ -22,13 +24,24 @@ import warnings
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
-def _work(job: tuple[int, int, bool]) -> list[tuple[list[str], str, str, str]]:
-    seed, count, fast = job
+BAD = ("wrong", "crashed")
+
+# How the program is rewritten: as it is, or as a train step (its gradient taken inside the
+# rewritten function), under jax.checkpoint, or as the body of a scan over layers.
+MODES = {"forward": {}, "train": {"train": True},
+         "checkpoint": {"train": True, "checkpoint": True},
+         "layers": {"train": True, "layers": True}}
+
+
+def _work(job: tuple[int, int, bool, str]) -> list[tuple[list[str], str, str, str]]:
+    seed, count, fast, mode = job
     warnings.simplefilter("ignore")
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hypothesis_seed
 
     import soundness_programs
+
+    from hlotool.errors import first_line
 
     rows = []
 
@@ -39,9 +52,10 @@ def _work(job: tuple[int, int, bool]) -> list[tuple[list[str], str, str, str]]:
     def run(program):
         try:
             outcome, detail = soundness_programs.check(
-                program, compiler_options=soundness_programs.FAST_COMPILE if fast else None)
-        except Exception as e:  # noqa: BLE001 - a crash is a finding, reported as wrong
-            outcome, detail = "wrong", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                program, compiler_options=soundness_programs.FAST_COMPILE if fast else None,
+                **MODES[mode])
+        except Exception as e:  # noqa: BLE001 - a crash is a finding of its own
+            outcome, detail = "crashed", f"{type(e).__name__}: {first_line(e)[:200]}"
         rows.append((program.features, outcome, detail, repr(program)))
 
     run()
@@ -58,11 +72,14 @@ def main() -> int:
     parser.add_argument("--fast-compile", action="store_true",
                         help="compile both sides at XLA's optimization level 0, as CI does "
                         "(about twice as fast)")
+    parser.add_argument("--mode", choices=sorted(MODES), default="forward",
+                        help="rewrite each program as it is (forward) or as a train step: "
+                        "plain, under jax.checkpoint, or as a scan over layers")
     args = parser.parse_args()
 
     tasks, left, seed = [], args.examples, args.seed
     while left > 0:
-        tasks.append((seed, min(args.chunk, left), args.fast_compile))
+        tasks.append((seed, min(args.chunk, left), args.fast_compile, args.mode))
         left -= args.chunk
         seed += 1
     start = time.perf_counter()
@@ -70,12 +87,13 @@ def main() -> int:
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         for part in pool.imap_unordered(_work, tasks):
             rows.extend(part)
-            wrong_so_far = sum(r[1] == "wrong" for r in rows)
-            print(f"  {len(rows)}/{args.examples} programs, {wrong_so_far} wrong, "
+            bad_so_far = sum(r[1] in BAD for r in rows)
+            print(f"  {len(rows)}/{args.examples} programs, {bad_so_far} wrong or crashed, "
                   f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
             for _, outcome, detail, program in part:
-                if outcome == "wrong":
-                    print(f"  WRONG: {detail}\n    {program}", file=sys.stderr, flush=True)
+                if outcome in BAD:
+                    print(f"  {outcome.upper()}: {detail}\n    {program}", file=sys.stderr,
+                          flush=True)
     seconds = time.perf_counter() - start
 
     per_feature: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -86,17 +104,18 @@ def main() -> int:
             per_feature[f][outcome] += 1
     width = max(len(f) for f in per_feature) if per_feature else 10
     print(f"{len(rows)} programs in {seconds:.0f} s ({args.jobs} job(s), seeds "
-          f"{args.seed}..{seed - 1}{', optimization level 0' if args.fast_compile else ''})\n")
-    print(f"{'feature':<{width}}  {'wrong':>6}  {'native':>7}  {'rewritten':>9}")
-    print(f"{'-' * width}  {'-' * 6}  {'-' * 7}  {'-' * 9}")
+          f"{args.seed}..{seed - 1}, mode {args.mode}"
+          f"{', optimization level 0' if args.fast_compile else ''})\n")
+    columns = ("wrong", "crashed", "native", "rewritten")
+    print(f"{'feature':<{width}}  " + "  ".join(f"{c:>9}" for c in columns))
+    print(f"{'-' * width}  " + "  ".join("-" * 9 for _ in columns))
     for f in sorted(per_feature):
-        c = per_feature[f]
-        print(f"{f:<{width}}  {c['wrong']:>6}  {c['native']:>7}  {c['rewritten']:>9}")
-    print(f"{'all':<{width}}  {total['wrong']:>6}  {total['native']:>7}  {total['rewritten']:>9}")
-    wrong = [r for r in rows if r[1] == "wrong"]
-    for _, _, detail, program in wrong:
-        print(f"\nWRONG: {detail}\n  {program}")
-    return 1 if wrong else 0
+        print(f"{f:<{width}}  " + "  ".join(f"{per_feature[f][c]:>9}" for c in columns))
+    print(f"{'all':<{width}}  " + "  ".join(f"{total[c]:>9}" for c in columns))
+    bad = [r for r in rows if r[1] in BAD]
+    for _, outcome, detail, program in bad:
+        print(f"\n{outcome.upper()}: {detail}\n  {program}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -16,6 +16,19 @@ m)`, all ones or data) apply.
 Look-alikes (softmax over the query axis, `softmax(where=)`, a multiplicative mask, a scale
 after the softmax, a squared softmax) are not attention and must come back untouched.
 
+What a careful adversary writes next (issue 35), each rare so that most programs keep few:
+ops that change values or derivatives on an operand, on the logits or on the probabilities
+(`stop_gradient`, fp8 `reduce_precision`, int8 fake quantization, a narrower float round
+trip, a widening cast: `VALUE_OPS`); q in bfloat16 against float32 k and v or the other way;
+masks whose arithmetic is not what it looks like (a window over uint32 or float positions, a
+traced bound, `tril(k=±1)`, lengths as an argument, int32 masks made boolean in the program:
+`TRICKY_MASKS`, `int_mask`); traced and per-head scales; biases per query, per head, or
+computed from q or k; `1/√d` on q, k or both before the dot; exp(s) / sum without the max
+and exp(log_softmax); heads last and no batch axis; D in {1, 3, 80, 256}, lengths 2 and 129,
+and 1000 with the kernel's own tiles (and `kernel="auto"`); a NaN key hidden by padding; the
+attention under `lax.cond`, in a `fori_loop`, vmapped over heads, inside a custom_vjp, or with
+a custom_vjp softmax (`WRAPS`).
+
 `check(program)` runs the naive program under `jax.jit` and under `hlotool.flash_jit` (the
 chunked kernel with small blocks, so tiles, skipping and padding are exercised) and returns
 "native" (no site rewritten; each site has a reason), "rewritten" (outputs and the gradients
@@ -58,15 +71,34 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 FILLS = ("-inf", "finfo.min", "-1e9", "-1e4", "-5")
 MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding",
          "causal_and_padding", "band", "band_and_padding", "segments", "segments_and_causal")
-BIAS_SHAPES = ("k", "qk", "b11k", "1hqk", "bhqk")
+# Masks whose arithmetic is not what it looks like, or has a traced part: built in the
+# program, each must be read as the values it computes or keep the site native.
+#   window_uint32: `(i - j) < 3` over uint32 positions, which wraps for j > i (hidden)
+#   window_float: a window over float positions `arange * 0.1` (rounding moves its edge)
+#   window_traced: `(i - j) < 3 * c` with c an argument of the program
+#   tril_k: jnp.tril(ones, k) with k = `offset` (±1)
+#   lengths: key padding `arange(Lk) < lengths[b]` from a lengths argument
+TRICKY_MASKS = ("window_uint32", "window_float", "window_traced", "tril_k", "lengths")
+# Biases: of a shape, or computed from q or k inside the program.
+BIAS_SHAPES = ("k", "qk", "b11k", "1hqk", "bhqk", "q1", "h11", "from_q", "from_k")
 LOOKALIKES = ("softmax_over_queries", "softmax_where", "multiplicative_mask",
               "scale_after_softmax", "squared_softmax")
+# Ops on an operand (q, k or v), on the logits (a step "op") or on the probabilities that
+# change values or derivatives: a rewrite must keep each or stay native.
+#   stop_gradient, reduce_precision (to 4 exponent and 3 mantissa bits, fp8 emulation),
+#   fake_quant ((x * 16) cast to int8 and back, / 16), roundtrip (a cast to a narrower
+#   float and back), widen (a cast to float32 from a narrower program dtype)
+VALUE_OPS = ("stop_gradient", "reduce_precision", "fake_quant", "roundtrip", "widen")
+# Where the attention sits: under lax.cond, in a fori_loop body, vmapped over heads, inside
+# a custom_vjp whose backward is half the true one (so a rewrite that replaced it shows),
+# or with its softmax such a custom_vjp (a site only partly inside: must stay native).
+WRAPS = ("cond", "fori", "vmap_heads", "custom_vjp", "custom_vjp_softmax")
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    kind: str  # "scale" | "mask" | "select_bias" | "bias" | "causal_bias" | "softcap"
-    op: str = "mul"  # scale: mul/div
+    kind: str  # "scale" | "mask" | "select_bias" | "bias" | "causal_bias" | "softcap" | "op"
+    op: str = "mul"  # scale: mul/div/traced/per_head; op: one of VALUE_OPS
     value: float = 1.0  # scale: the constant; causal_bias: the value above the diagonal;
     # softcap: c of tanh(s / c) * c
     mask: str = ""  # mask kind
@@ -81,6 +113,11 @@ class Step:
     # mask: its value closed over as a constant of the program (a key padding mask then keeps
     # its [B, 1, 1, Lk] shape), not an argument
     constant: bool = False
+    # mask / select_bias: the mask an int32 argument of 0s and 1s, made boolean in the
+    # program (`m == 1` for a mask, Hugging Face's `select(m > 0, 0, fill)` for a bias)
+    int_mask: bool = False
+    offset: int = 0  # mask "tril_k": the diagonal k of jnp.tril
+    # scale: "traced" multiplies by a scalar argument, "per_head" by a constant per head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +141,19 @@ class Program:
     shift: bool = False  # s - stop_gradient(max(s)) before the softmax
     dropout: bool = False  # p * bernoulli(key, 0.8).astype / 0.8 after the softmax (HF, flax)
     seed: int = 0
+    # float32 programs only: "q_bf16" (q in bfloat16, k and v in float32, promoted by the
+    # program) or "kv_bf16" (the other way)
+    mixed: str = ""
+    operand_op: tuple[str, str] = ()  # (which of "q", "k", "v", one of VALUE_OPS)
+    probs_op: str = ""  # one of VALUE_OPS on the probabilities, after the softmax
+    # "" (jax.nn.softmax or `manual_softmax`), "no_max" (exp(s) / sum(exp(s))),
+    # "log_softmax" (exp(log_softmax(s)))
+    softmax: str = ""
+    prescale: str = ""  # "q" | "k" | "both": 1/√d (or its root) on the operands before the dot
+    wrap: str = ""  # one of WRAPS
+    nan_key: bool = False  # k NaN at a key the first key-padding mask hides
+    kernel_blocks: bool = False  # the chunked kernel's own block sizes, not 8 x 8
+    kernel: str = "chunked"  # or "auto": the cost model's choice per platform
 
     @property
     def features(self) -> list[str]:
@@ -127,9 +177,29 @@ class Program:
             out.append("shift")
         if self.dropout:
             out.append("dropout")
+        if self.mixed:
+            out.append(f"mixed:{self.mixed}")
+        if self.operand_op:
+            out.append(f"operand_op:{self.operand_op[1]}")
+        if self.probs_op:
+            out.append(f"probs_op:{self.probs_op}")
+        for flag in ("softmax", "prescale", "wrap"):
+            if getattr(self, flag):
+                out.append(f"{flag}:{getattr(self, flag)}")
+        if self.nan_key:
+            out.append("nan_key")
+        if self.kernel_blocks:
+            out.append("kernel_blocks")
+        if self.kernel != "chunked":
+            out.append(f"kernel:{self.kernel}")
+        if self.lq != self.lk:
+            out.append("lq!=lk")
+        out.append(f"d={self.d}")
         for s in self.steps:
             if s.kind == "scale":
-                out.append("scale")
+                out.append("scale" if s.op in ("mul", "div") else f"scale:{s.op}")
+            elif s.kind == "op":
+                out.append(f"logits_op:{s.op}")
             elif s.kind == "softcap":
                 out.append("softcap")
             elif s.kind in ("mask", "select_bias"):
@@ -141,6 +211,8 @@ class Program:
                     out.append("empty_row")
                 if s.constant:
                     out.append("constant_mask")
+                if s.int_mask:
+                    out.append("int_mask")
             elif s.kind == "bias":
                 out.append(f"bias:{s.shape}" + (f"+{s.extreme}" if s.extreme else ""))
             else:
@@ -163,9 +235,15 @@ def _rounded(x: float, dtype) -> float:
         return float(np.asarray(x, np.float64).astype(jnp.dtype(dtype)))
 
 
-def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray:
-    """bool [B, 1, Lq, Lk] (True = attend); for segment masks int32 [B, Lq + Lk], the ids of
-    the queries then of the keys (runs of packed sequences)."""
+def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray | None:
+    """bool [B, 1, Lq, Lk] (True = attend; int32 0/1 for an `int_mask`); for segment masks
+    int32 [B, Lq + Lk], the ids of the queries then of the keys (runs of packed sequences);
+    for the tricky masks their argument (lengths [B], the window's factor c) or None where
+    the program builds them from iotas alone."""
+    if step.mask in ("window_uint32", "window_float", "tril_k"):
+        return None
+    if step.mask == "window_traced":
+        return np.int32(1)
     if step.mask.startswith("segments"):
         return np.concatenate([np.sort(rng.integers(0, 3, (p.b, n)), axis=1)
                                for n in (p.lq, p.lk)], axis=1).astype(np.int32)
@@ -181,16 +259,90 @@ def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray:
         m = rng.random((p.b, 1, p.lq, p.lk)) < 0.7
     else:  # key padding (alone, or ANDed with tril in the program): lengths in [1, Lk], or 0
         lengths = rng.integers(1, p.lk + 1, size=p.b)
+        if p.nan_key:
+            lengths[0] = p.lk - 1  # the last key of row 0 is hidden, and NaN (`build`)
         if step.empty_row:
             lengths[0] = 0
+        if step.mask == "lengths":
+            return lengths.astype(np.int32)
         m = (j < lengths[:, None, None, None])
     m = np.broadcast_to(m, (p.b, 1, p.lq, p.lk)).copy()
     if step.mask in ("causal_and_padding", "band_and_padding", "band") or (
             step.mask == "key_padding" and step.constant):
-        return m[:, :, :1, :]  # [B, 1, 1, Lk]: the program ANDs it with its own tril or band
-    if step.empty_row and step.mask != "key_padding":
+        m = m[:, :, :1, :]  # [B, 1, 1, Lk]: the program ANDs it with its own tril or band
+    elif step.empty_row and step.mask != "key_padding":
         m[0, 0, p.lq // 2] = False
-    return m
+    return m.astype(np.int32) if step.int_mask else m
+
+
+def _tricky_mask(step: Step, p: Program, arg):
+    """The masks of TRICKY_MASKS as the program builds them (True = attend)."""
+    if step.mask == "window_uint32":  # j > i wraps to a huge i - j: hidden
+        i = jnp.arange(p.lq, dtype=jnp.uint32)[:, None]
+        j = jnp.arange(p.lk, dtype=jnp.uint32)[None, :]
+        return (i - j) < 3
+    if step.mask == "window_float":
+        i = (jnp.arange(p.lq, dtype=jnp.float32) * 0.1)[:, None]
+        j = (jnp.arange(p.lk, dtype=jnp.float32) * 0.1)[None, :]
+        return ((i - j) < 0.3) & (j <= i)
+    if step.mask == "window_traced":
+        i, j = jnp.arange(p.lq)[:, None], jnp.arange(p.lk)[None, :]
+        return ((i - j) < 3 * arg) & (j <= i)
+    if step.mask == "tril_k":
+        return jnp.tril(jnp.ones((p.lq, p.lk), bool), step.offset)
+    return (jnp.arange(p.lk)[None, :] < arg[:, None])[:, None, None, :]  # lengths
+
+
+def _value_op(x, op: str, wide):
+    """One of VALUE_OPS applied to `x`; `wide` is the dtype "widen" casts to."""
+    if op == "stop_gradient":
+        return jax.lax.stop_gradient(x)
+    if op == "reduce_precision":
+        return jax.lax.reduce_precision(x, exponent_bits=4, mantissa_bits=3)
+    if op == "fake_quant":
+        return (x * 16).astype(jnp.int8).astype(x.dtype) / 16
+    if op == "roundtrip":
+        narrow = jnp.float8_e4m3fn if x.dtype == jnp.bfloat16 else jnp.bfloat16
+        return x.astype(narrow).astype(x.dtype)
+    return x.astype(wide)  # widen
+
+
+@jax.custom_vjp
+def _half_softmax(s):
+    """jax.nn.softmax whose backward is half the true one: a derivative rule of the user's
+    that a rewrite must keep."""
+    return jax.nn.softmax(s, axis=-1)
+
+
+def _half_softmax_fwd(s):
+    return _half_softmax(s), s
+
+
+def _half_softmax_bwd(s, g):
+    _, vjp = jax.vjp(lambda x: jax.nn.softmax(x, axis=-1), s)
+    return (vjp(g)[0] * 0.5,)
+
+
+_half_softmax.defvjp(_half_softmax_fwd, _half_softmax_bwd)
+
+
+def _half_gradient(fn):
+    """`fn` under a custom_vjp whose backward is half of jax's: the rewrite may replace the
+    forward inside it, never the rule."""
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fn(*args)
+
+    def fwd(*args):
+        return fn(*args), args
+
+    def bwd(args, g):
+        _, vjp = jax.vjp(fn, *args)
+        return tuple(c * 0.5 if jnp.issubdtype(c.dtype, jnp.floating) else c
+                     for c in vjp(g))
+
+    wrapped.defvjp(fwd, bwd)
+    return wrapped
 
 
 def _band(window: tuple, p: Program):
@@ -207,50 +359,72 @@ def _band(window: tuple, p: Program):
     return m
 
 
-def _bias_shape(name: str, p: Program) -> tuple[int, ...]:
+def _bias_shape(name: str, p: Program) -> tuple[int, ...] | None:
+    """The shape of a bias argument; None for one computed from q or k."""
     return {"k": (p.lk,), "qk": (p.lq, p.lk), "b11k": (p.b, 1, 1, p.lk),
-            "1hqk": (1, p.hq, p.lq, p.lk), "bhqk": (p.b, p.hq, p.lq, p.lk)}[name]
+            "1hqk": (1, p.hq, p.lq, p.lk), "bhqk": (p.b, p.hq, p.lq, p.lk), "q1": (p.lq, 1),
+            "h11": (p.hq, 1, 1)}.get(name)
 
 
 def _after(steps: tuple[Step, ...], at: int) -> float:
-    """The product of the scale steps after step `at`."""
+    """The product of the scale steps after step `at` (a per-head scale counted as its first
+    head's)."""
     c = 1.0
     for s in steps[at + 1:]:
         if s.kind == "scale":
-            c = c * s.value if s.op == "mul" else c / s.value
+            c = c / s.value if s.op == "div" else c * s.value
     return c
+
+
+def _prescale(p: Program) -> tuple[float, float]:
+    """The constants q and k are multiplied by before the dot."""
+    root = 1.0 / math.sqrt(p.d)
+    return {"": (1.0, 1.0), "q": (root, 1.0), "k": (1.0, root),
+            "both": (math.sqrt(root), math.sqrt(root))}[p.prescale]
 
 
 def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int, ...]]:
     """(naive function, its arguments, the positions of the arguments to differentiate).
 
     compute: the dtype to compute in (default: the program's); constants keep the values
-    they have in the program's dtype."""
+    they have in the program's dtype, and values the program rounds (a mixed-dtype operand,
+    the value ops) are rounded as it rounds them."""
     rng = np.random.default_rng(p.seed)
     dt = jnp.dtype(p.dtype)
     ct = jnp.dtype(compute or p.dtype)
-    total = _after(p.steps, -1)
+    wide = jnp.dtype(compute or "float32")  # what "widen" casts to
+    pre_q, pre_k = _prescale(p)
+    total = _after(p.steps, -1) * pre_q * pre_k
     # |q·k| ~ sqrt(d)·r²: make the scores reach the softmax at about 3 after all scales.
     r = math.sqrt(3.0 / (math.sqrt(p.d) * max(abs(total), 1e-30)))
     q = rng.standard_normal((p.b, p.lq, p.hq, p.d)) * r
     k = rng.standard_normal((p.b, p.lk, p.hkv, p.d)) * r
     v = rng.standard_normal((p.b, p.lk, p.hkv, p.d))
-    args, extra = [jnp.asarray(jnp.asarray(x, dt), ct) for x in (q, k, v)], []
-    constants = {}
+    if p.nan_key:
+        k[0, p.lk - 1] = np.nan  # a key the first key-padding mask hides (`_mask`)
+    held = {"q_bf16": (jnp.bfloat16, dt, dt), "kv_bf16": (dt, jnp.bfloat16, jnp.bfloat16)}.get(
+        p.mixed, (dt, dt, dt))
+    args = [jnp.asarray(jnp.asarray(x, h), ct if compute else h) for x, h in zip((q, k, v), held)]
+    extra, constants = [], {}
     for at, step in enumerate(p.steps):
         if step.kind in ("mask", "select_bias"):
             value = _mask(step, p, rng)
+            if value is None:
+                continue
             if step.constant:
                 constants[at] = value
                 continue
             extra.append(("mask", at, len(args)))
             args.append(jnp.asarray(value))
-        elif step.kind == "bias":
+        elif step.kind == "bias" and _bias_shape(step.shape, p) is not None:
             bias = rng.standard_normal(_bias_shape(step.shape, p)) * 2.0 / abs(_after(p.steps, at))
             if step.extreme:
                 bias = np.where(rng.random(bias.shape) < 0.2, _fill(step.extreme, dt), bias)
             extra.append(("bias", at, len(args)))
             args.append(jnp.asarray(jnp.asarray(bias, dt), ct))
+        elif step.kind == "scale" and step.op == "traced":
+            extra.append(("scale", at, len(args)))
+            args.append(jnp.asarray(jnp.asarray(step.value, dt), ct))
     if p.head_mask == "data":
         extra.append(("head_mask", -1, len(args)))
         args.append(jnp.asarray(jnp.asarray(rng.random(p.hq) + 0.5, dt), ct))
@@ -261,6 +435,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
         extra.append(("key", -4, len(args)))
         args.append(jax.random.PRNGKey(p.seed))
     first_mask = next((i for kind, at, i in extra if kind == "mask"
+                       and p.steps[at].mask in MASKS and not p.steps[at].int_mask
                        and not p.steps[at].mask.startswith("segments")), None)
     repeated = next((at for at in reversed(range(len(p.steps)))
                      if p.steps[at].kind == "mask"), None)
@@ -274,12 +449,25 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
     group = p.hq // p.hkv
 
     def attention(q, k, v, *ops):
+        if p.operand_op:
+            which, op = p.operand_op
+            named = {"q": q, "k": k, "v": v}
+            named[which] = _value_op(named[which], op, wide)
+            q, k, v = named["q"], named["k"], named["v"]
+        if pre_q != 1.0:
+            q = q * _rounded(pre_q, dt)
+        if pre_k != 1.0:
+            k = k * _rounded(pre_k, dt)
         if group > 1:
             k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
         if p.layout == "BLHD":
             s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
         elif p.layout == "BHLD":
             s = q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)
+        elif p.layout == "BLDH":  # heads last
+            s = jnp.einsum("bqdh,bkdh->bhqk", q.transpose(0, 1, 3, 2), k.transpose(0, 1, 3, 2))
+        elif p.layout == "LHD":  # no batch axis (B = 1)
+            s = jnp.einsum("qhd,khd->hqk", q[0], k[0])[None]
         else:
             qm = q.transpose(0, 2, 1, 3).reshape(p.b * p.hq, p.lq, p.d)
             km = k.transpose(0, 2, 1, 3).reshape(p.b * p.hq, p.lk, p.d)
@@ -287,11 +475,24 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
         selected = None  # (predicate, mirrored) of the last mask step
         for at, step in enumerate(p.steps):
             if step.kind == "scale":
-                c = _rounded(step.value, dt)
-                s = s * c if step.op == "mul" else s / c
+                if step.op == "traced":
+                    s = s * ops[operand[at] - 3]
+                elif step.op == "per_head":  # no softmax scale: a constant varying by head
+                    per = np.asarray([step.value * (1 + 0.25 * h) for h in range(p.hq)])
+                    s = s * jnp.asarray(per, dt).reshape(1, p.hq, 1, 1)
+                else:
+                    c = _rounded(step.value, dt)
+                    s = s * c if step.op == "mul" else s / c
+            elif step.kind == "op":
+                s = _value_op(s, step.op, wide)
             elif step.kind in ("mask", "select_bias"):
-                m = jnp.asarray(constants[at]) if at in constants else ops[operand[at] - 3]
-                if step.mask == "causal_and_padding":
+                m = jnp.asarray(constants[at]) if at in constants else (
+                    ops[operand[at] - 3] if at in operand else None)
+                if step.int_mask:
+                    m = (m > 0) if step.kind == "select_bias" else (m == 1)
+                if step.mask in TRICKY_MASKS:
+                    m = _tricky_mask(step, p, m)
+                elif step.mask == "causal_and_padding":
                     m = jnp.tril(jnp.ones((p.lq, p.lk), bool)) & m
                 elif step.mask == "band":
                     m = _band(step.window, p)
@@ -310,7 +511,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                     s = jnp.where(~m, fill, s) if step.mirrored else jnp.where(m, s, fill)
                     selected = (m, step.mirrored)
             elif step.kind == "bias":
-                s = s + ops[operand[at] - 3]
+                s = s + _bias_value(step, at, ops, q, k)
             elif step.kind == "softcap":
                 c = _rounded(step.value, dt)
                 s = jnp.tanh(s / c) * c
@@ -329,6 +530,13 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             w = jax.nn.softmax(s, axis=-1, where=jnp.ones(s.shape, bool).at[..., 0].set(False))
         elif p.lookalike == "multiplicative_mask":
             w = jax.nn.softmax(s * jnp.tril(jnp.ones(s.shape[-2:], s.dtype)), axis=-1)
+        elif p.wrap == "custom_vjp_softmax":
+            w = _half_softmax(s)
+        elif p.softmax == "no_max":
+            e = jnp.exp(s)
+            w = e / jnp.sum(e, axis=-1, keepdims=True)
+        elif p.softmax == "log_softmax":
+            w = jnp.exp(jax.nn.log_softmax(s, axis=-1))
         elif p.manual_softmax:
             e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
             w = e / jnp.sum(e, axis=-1, keepdims=True)
@@ -336,6 +544,8 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             w = jax.nn.softmax(s, axis=-1)
         if p.sinks:
             w = w[..., :-1]
+        if p.probs_op:
+            w = _value_op(w, p.probs_op, wide)
         if p.dropout:
             keep = jax.random.bernoulli(ops[operand[-4] - 3], 0.8, w.shape)
             w = w * (keep.astype(w.dtype) / jnp.asarray(0.8, w.dtype))
@@ -356,11 +566,53 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             vm = v.transpose(0, 2, 1, 3).reshape(p.b * p.hq, p.lk, p.d)
             out = jnp.einsum("nqk,nkd->nqd", w.reshape(p.b * p.hq, p.lq, p.lk), vm)
             return out.reshape(p.b, p.hq, p.lq, p.d).transpose(0, 2, 1, 3)
+        if p.layout == "BLDH":
+            return jnp.einsum("bhqk,bkdh->bqdh", w, v.transpose(0, 1, 3, 2))
+        if p.layout == "LHD":
+            return jnp.einsum("hqk,khd->qhd", w[0], v[0])
         return jnp.einsum("bhqk,bkhd->bqhd", w, v)
+
+    def _bias_value(step: Step, at: int, ops, q, k):
+        """A bias argument, or one computed from q ([B, H, Lq, 1]) or from k ([B, H, 1, Lk]),
+        of about the size of the others."""
+        if step.shape not in ("from_q", "from_k"):
+            return ops[operand[at] - 3]
+        size = 2.0 / abs(_after(p.steps, at)) / (r * math.sqrt(p.d) + 1e-30)
+        if step.shape == "from_q":
+            return jnp.swapaxes(q.sum(-1), 1, 2)[..., None] * _rounded(size, dt)
+        return jnp.swapaxes(k.sum(-1), 1, 2)[:, :, None, :] * _rounded(size, dt)
 
     diff = tuple([0, 1, 2] + [i for kind, _, i in extra
                               if kind in ("bias", "head_mask", "sinks")])
-    return attention, tuple(args), diff
+    return _wrapped(p, attention), tuple(args), diff
+
+
+def _wrapped(p: Program, attention):
+    """The program's attention where `p.wrap` puts it."""
+    if p.wrap == "cond":  # the other branch: zeros (the predicate is True at run time)
+        def under_cond(*args):
+            shape = jax.eval_shape(attention, *args)
+            return jax.lax.cond(jnp.sum(args[0]) == jnp.sum(args[0]),
+                                lambda xs: attention(*xs),
+                                lambda xs: jnp.zeros(shape.shape, shape.dtype), args)
+        return under_cond
+    if p.wrap == "fori":
+        def in_loop(*args):
+            shape = jax.eval_shape(attention, *args)
+            return jax.lax.fori_loop(
+                0, 2, lambda i, acc: acc + attention(*args) * 0.5,
+                jnp.zeros(shape.shape, shape.dtype))
+        return in_loop
+    if p.wrap == "vmap_heads":  # one head at a time: `programs` keeps H out of the rest
+        def per_head(q, k, v, *ops):
+            def one(qh, kh, vh):
+                out = attention(qh[:, :, None], kh[:, :, None], vh[:, :, None], *ops)
+                return out[:, :, 0]
+            return jax.vmap(one, in_axes=(2, 2, 2), out_axes=2)(q, k, v)
+        return per_head
+    if p.wrap == "custom_vjp":
+        return _half_gradient(attention)
+    return attention
 
 
 # ----------------------------------------------------------------------------------------
@@ -372,20 +624,29 @@ def programs(draw) -> Program:
     dtype = draw(st.sampled_from(("float32", "float32", "bfloat16", "float16")))
     hq = draw(st.sampled_from((1, 2, 4)))
     hkv = draw(st.sampled_from([h for h in (1, 2, 4) if hq % h == 0]))
-    lq = draw(st.sampled_from((1, 5, 16, 33)))
-    lk = draw(st.sampled_from((1, 7, 16, 40)))
+    kernel_blocks = draw(st.sampled_from((False,) * 9 + (True,)))
+    if kernel_blocks:  # the kernel's own tiles: lengths around and past them, ragged
+        lq = draw(st.sampled_from((1, 7, 129, 1000)))
+        lk = draw(st.sampled_from((2, 129, 1000)))
+    else:
+        lq = draw(st.sampled_from((1, 5, 16, 33) * 2 + (2, 129)))
+        lk = draw(st.sampled_from((1, 7, 16, 40) * 2 + (2, 129)))
     steps = []
     for _ in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(("scale", "scale", "mask", "mask", "bias", "causal_bias",
-                                     "softcap", "select_bias")))
+                                     "softcap", "select_bias") * 2 + ("op",)))
         if kind == "softcap":
             steps.append(Step("softcap", value=draw(st.sampled_from((1.0, 5.0, 30.0)))))
         elif kind == "scale":
-            steps.append(Step("scale", op=draw(st.sampled_from(("mul", "div"))),
-                              value=10.0 ** draw(st.sampled_from((-6, -4, -3, -1, 0, 1, 3)))
-                              * draw(st.sampled_from((1.0, 0.5, 0.125)))))
+            steps.append(Step("scale", op=draw(st.sampled_from(
+                ("mul", "div") * 4 + ("traced", "per_head"))),
+                value=10.0 ** draw(st.sampled_from((-6, -4, -3, -1, 0, 1, 3)))
+                * draw(st.sampled_from((1.0, 0.5, 0.125)))))
+        elif kind == "op":
+            steps.append(Step("op", op=draw(st.sampled_from(
+                tuple(o for o in VALUE_OPS if o != "fake_quant")))))
         elif kind in ("mask", "select_bias"):
-            mask = draw(st.sampled_from(MASKS))
+            mask = draw(st.sampled_from(MASKS * 2 + TRICKY_MASKS))
             if mask.startswith("causal") and lq > lk and mask == "causal_bottom_right":
                 mask = "causal"
             window = ()
@@ -398,18 +659,23 @@ def programs(draw) -> Program:
             steps.append(Step(kind, mask=mask, fill=draw(st.sampled_from(FILLS)),
                               mirrored=draw(st.booleans()), window=window,
                               empty_row=draw(st.booleans()) and mask in (
+                                  "boolean", "key_padding", "causal_and_padding", "lengths"),
+                              constant=draw(st.booleans()) and mask not in TRICKY_MASKS,
+                              int_mask=draw(st.sampled_from((False,) * 4 + (True,))) and mask in (
                                   "boolean", "key_padding", "causal_and_padding"),
-                              constant=draw(st.booleans())))
+                              offset=draw(st.sampled_from((-1, 1)))))
         elif kind == "bias":
             steps.append(Step("bias", shape=draw(st.sampled_from(BIAS_SHAPES)),
                               extreme=draw(st.sampled_from(("", "", "-inf", "finfo.min")))))
         else:
             steps.append(Step("causal_bias", value=draw(st.sampled_from(
                 (-math.inf, -1e9, -1e4)))))
-    return Program(
-        dtype=dtype, layout=draw(st.sampled_from(("BLHD", "BHLD", "merged"))),
-        b=draw(st.sampled_from((1, 2))), hq=hq, hkv=hkv, lq=lq, lk=lk,
-        d=draw(st.sampled_from((8, 16))), steps=tuple(steps),
+    layout = draw(st.sampled_from(("BLHD", "BHLD", "merged") * 3 + ("BLDH", "LHD")))
+    b = 1 if layout == "LHD" else draw(st.sampled_from((1, 2)))
+    padded = any(s.mask in ("key_padding", "lengths") and not s.constant for s in steps)
+    program = Program(
+        dtype=dtype, layout=layout, b=b, hq=hq, hkv=hkv, lq=lq, lk=lk,
+        d=draw(st.sampled_from((8, 16) * 4 + (1, 3, 80, 256))), steps=tuple(steps),
         manual_softmax=draw(st.booleans()),
         lookalike=draw(st.sampled_from(("",) * 8 + LOOKALIKES)),
         head_mask=draw(st.sampled_from(("",) * 6 + ("ones", "data"))),
@@ -418,7 +684,39 @@ def programs(draw) -> Program:
         shift=draw(st.sampled_from((False,) * 3 + (True,))),
         dropout=draw(st.sampled_from((False,) * 4 + (True,))),
         seed=draw(st.integers(0, 2**16)),
+        mixed=_rarely(draw, ("q_bf16", "kv_bf16"), 6) if dtype == "float32" else "",
+        operand_op=_rarely(draw, tuple((w, o) for w in "qkv" for o in VALUE_OPS), 6, ()),
+        probs_op=_rarely(draw, VALUE_OPS, 10),
+        softmax=_rarely(draw, ("no_max", "log_softmax"), 8),
+        prescale=_rarely(draw, ("q", "k", "both"), 5),
+        wrap=_rarely(draw, WRAPS, 8),
+        nan_key=padded and lk >= 2 and draw(st.sampled_from((False,) * 3 + (True,))),
+        kernel_blocks=kernel_blocks,
+        # auto keeps short sequences native on the CPU: it is drawn where it may rewrite
+        kernel=draw(st.sampled_from(("chunked", "auto"))) if kernel_blocks else "chunked",
     )
+    return _compatible(program)
+
+
+def _rarely(draw, options: tuple, one_in: int, none: Any = ""):
+    """One of `options` once in `one_in` draws, else `none`: the grammar's newer features
+    each stay rare, so most programs keep few of them and many still rewrite."""
+    if draw(st.integers(1, one_in)) != 1:
+        return none
+    return draw(st.sampled_from(options))
+
+
+def _compatible(p: Program) -> Program:
+    """`p` without the wraps its other features rule out: vmap over heads runs the program
+    one head at a time (nothing may refer to H), a custom_vjp cannot take a PRNG key."""
+    if p.wrap == "vmap_heads" and (
+            p.hq != p.hkv or p.layout not in ("BLHD", "BHLD") or p.sinks or p.head_mask
+            or any(s.shape in ("1hqk", "bhqk", "h11") or s.op == "per_head"
+                   for s in p.steps)):
+        return dataclasses.replace(p, wrap="")
+    if p.wrap in ("custom_vjp", "custom_vjp_softmax") and p.dropout:
+        return dataclasses.replace(p, wrap="")
+    return p
 
 
 # ----------------------------------------------------------------------------------------
@@ -561,14 +859,15 @@ def check(p: Program, blocks: tuple[int, int] = (8, 8),
         fn = over_layers(fn)
     kernel = get("chunked")
     saved = (kernel.block_q, kernel.block_k)
-    kernel.block_q, kernel.block_k = blocks
+    if not p.kernel_blocks:
+        kernel.block_q, kernel.block_k = blocks
     try:
         if train:
             step = value_and_grads(fn, diff)
-            rewritten = Rewritten(data_parallel(step, args) if sharded else step, "chunked")
+            rewritten = Rewritten(data_parallel(step, args) if sharded else step, p.kernel)
             traced = jax.jit(rewritten).trace(*args)
         else:
-            rewritten = Rewritten(fn, "chunked")  # flash_jit(fn, kernel="chunked") is its jit
+            rewritten = Rewritten(fn, p.kernel)  # flash_jit(fn, kernel=p.kernel) is its jit
             traced = jax.jit(value_and_grads(rewritten, diff)).trace(*args)
         report = rewritten.report
         for site in report.sites:
