@@ -39,6 +39,7 @@ def _site_scope() -> str:
 
 
 SCOPE = _site_scope()
+CALL = "jit(hlotool_flash)"  # the spliced call; the calls inside it carry the scope too
 
 
 def _op_names(hlo_text: str) -> list[str]:
@@ -51,8 +52,8 @@ def _called_op_names(hlo_text: str, scope: str) -> tuple[list[str], list[str]]:
     call chain: pre-optimization HLO names ops relative to their `call`) of the
     instructions in the computations they call."""
     module = parse_module(hlo_text)
-    calls = [i for i in module.instructions() if scope in i.metadata.get("op_name", "")
-             and i.opcode == "call"]
+    calls = [i for i in module.instructions() if i.opcode == "call" and scope in
+             i.metadata.get("op_name", "") and i.metadata["op_name"].endswith(CALL)]
     inside, todo, seen = [], [c for call in calls for c in call.called_computations], set()
     full = qualified_op_names(module)
     while todo:
@@ -77,6 +78,33 @@ def test_cpu_lowered_hlo_names_the_site_and_the_chunked_kernel():
     assert len(calls) == 1 and calls[0].endswith(f"/{SCOPE}/jit(hlotool_flash)"), calls
     assert any(f"/{SCOPE}/jit(hlotool_flash)/" in n and "/chunked/" in n for n in inside), \
         sorted(set(inside))[:10]
+
+
+def test_every_op_the_site_calls_carries_its_scope_on_its_own():
+    """Each instruction in the computations the site's call reaches names the site in its
+    own op_name, not only once joined with its callers' (issue 37: the kernel's
+    `chunked/while` ops had only their own names, so a profile could not place them)."""
+    text = hlotool.flash_jit(causal_attention, kernel="chunked").trace(
+        *_specs()).lower().as_text(dialect="hlo", debug_info=True)
+    module = parse_module(text)
+    combiners = {name for i in module.instructions() if i.opcode != "call"
+                 for name in split_names(i.attributes.get("to_apply", ""))}
+    calls = [i for i in module.instructions() if i.opcode == "call" and SCOPE in
+             i.metadata.get("op_name", "") and i.metadata["op_name"].endswith(CALL)]
+    todo, seen, unnamed = [c for call in calls for c in call.called_computations], set(), []
+    while todo:
+        name = todo.pop()
+        if name in seen or name in combiners:
+            continue
+        seen.add(name)
+        for inst in module.computations[name].instructions:
+            todo.extend(inst.called_computations)
+            op_name = inst.metadata.get("op_name")
+            # A bare primitive name is jax's own lowering of one primitive as a function
+            # (cumsum's reduce-window), which names its ops afresh.
+            if op_name is not None and "/" in op_name and SCOPE not in op_name:
+                unnamed.append(op_name)
+    assert len(seen) > 3 and not unnamed, sorted(set(unnamed))[:10]
 
 
 def _profiled_op_names(hlo_text: str) -> list[str]:

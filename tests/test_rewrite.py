@@ -356,6 +356,12 @@ def test_identical_sites_share_one_traced_kernel_and_keep_their_lines():
 
     calls = [e for e in jax.make_jaxpr(flash.Rewritten(two_layers, "auto"))(Q, K, V).eqns
              if e.params.get("name") == "hlotool_flash"]
-    assert len(calls) == 2 and calls[0].params["jaxpr"] is calls[1].params["jaxpr"]
+    # One trace, each copy under its own site's scope (so a profile tells them apart).
+    bodies = [e.params["jaxpr"] for e in calls]
+    assert len(calls) == 2 and str(bodies[0]) == str(bodies[1])
+    for i, (call, body) in enumerate(zip(calls, bodies), 1):
+        scope = f"hlotool/site{i}:test_rewrite.py:"
+        assert scope in str(call.source_info.name_stack)
+        assert all(str(e.source_info.name_stack).startswith(scope) for e in body.jaxpr.eqns)
     lines = [next(jaxcompat.user_frames(e.source_info.traceback)).start_line for e in calls]
     assert lines == [attend.__code__.co_firstlineno + 6] * 2  # attend's `return ... softmax`
