@@ -232,11 +232,15 @@ class _Record:
 
 
 @contextlib.contextmanager
-def _compile_hook() -> Iterator[list[_Record]]:
-    """Record every jit lowering (and the XLA compile that follows) while active."""
+def _compile_hook(on_compile: Callable[[str], None] | None = None
+                  ) -> Iterator[list[_Record]]:
+    """Record every jit lowering (and the XLA compile that follows) while active; tell
+    `on_compile` the name of each of the user's functions as its lowering starts."""
     records: list[_Record] = []
 
     def hook(closed_jaxpr: ClosedJaxpr, api_name: str, fun_name: str, *args, **kwargs):
+        if on_compile is not None and not _in_jax(closed_jaxpr):
+            on_compile(fun_name)
         start = time.perf_counter()
         computation = lower(closed_jaxpr, api_name, fun_name, *args, **kwargs)
         donated = jaxcompat.lowering_donated(closed_jaxpr, api_name, fun_name, *args, **kwargs)
@@ -259,6 +263,12 @@ def _compile_hook() -> Iterator[list[_Record]]:
         yield records
 
 
+def _in_jax(closed_jaxpr: ClosedJaxpr) -> bool:
+    """Whether the function lives inside jax itself: eager dispatch, not the user's program."""
+    source = getattr(closed_jaxpr.jaxpr.debug_info, "func_src_info", None)
+    return bool(source) and _source_path(source).startswith(_JAX_DIR)
+
+
 def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
     """The user's functions among `records`, identical recompiles merged, in first-seen order."""
     out: list[CapturedFunction] = []
@@ -266,7 +276,7 @@ def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
     for r in records:
         info = r.closed_jaxpr.jaxpr.debug_info
         source = getattr(info, "func_src_info", None)
-        if source and _source_path(source).startswith(_JAX_DIR):
+        if _in_jax(r.closed_jaxpr):
             continue
         key = (r.name, str(r.closed_jaxpr), r.donated)
         if key in seen:
@@ -304,12 +314,16 @@ def capture_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
     return captured
 
 
-def capture_script(path: str | os.PathLike[str], argv: Sequence[str] = ()) -> list[CapturedFunction]:
+def capture_script(path: str | os.PathLike[str], argv: Sequence[str] = (),
+                   on_compile: Callable[[str], None] | None = None
+                   ) -> list[CapturedFunction]:
     """Run the script at `path` as ``__main__`` with ``sys.argv = [path, *argv]`` and return
-    every function jax compiled while it ran.
+    every function jax compiled while it ran; `on_compile(name)` hears of each of them as
+    its compile starts (a progress line).
 
     The script runs unmodified: its directory is put first on `sys.path`, ``sys.exit(0)`` is
-    a normal end. Its stdout is sent to stderr so the caller's stdout stays its own.
+    a normal end. Its stdout is sent to stderr so the caller's stdout stays its own (to
+    whatever sys.stderr is at each write: a progress line's proxy prints it above the line).
     Raises `ScriptError` (one line, naming the file) for a missing file, a syntax error,
     an exception or a non-zero exit, and `NothingCapturedError` when nothing was compiled.
     """
@@ -320,7 +334,7 @@ def capture_script(path: str | os.PathLike[str], argv: Sequence[str] = ()) -> li
     sys.argv = [path, *argv]
     sys.path.insert(0, script_dir)
     try:
-        with _compile_hook() as records, contextlib.redirect_stdout(sys.stderr):
+        with _compile_hook(on_compile) as records, contextlib.redirect_stdout(_Stderr()):
             _run(path)
     finally:
         sys.argv = saved_argv
@@ -332,6 +346,19 @@ def capture_script(path: str | os.PathLike[str], argv: Sequence[str] = ()) -> li
             "wrap the model in jax.jit)"
         )
     return captured
+
+
+class _Stderr:
+    """A stream writing to sys.stderr as it is at each call, not as it was at the start."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
+        return getattr(sys.stderr, name)
 
 
 def _check_script(path: str) -> None:

@@ -9,7 +9,6 @@ replace a file hlotool did not write, unless --force.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib.metadata
 import json
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from hlotool import __version__
+from hlotool import __version__, interrupt
 from hlotool.doctor import doctor
 from hlotool.errors import (
     EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_INTERNAL, EXIT_INTERRUPTED, HlotoolError,
@@ -84,8 +83,7 @@ def _fail_cleanly(command: Callable[..., None]) -> Callable[..., None]:
         except KeyboardInterrupt:
             if debug:
                 raise
-            _error("interrupted")
-            sys.exit(EXIT_INTERRUPTED)
+            interrupt.stop(_report_interrupt)
         except Exception as e:
             if debug:
                 traceback.print_exception(e)
@@ -96,6 +94,10 @@ def _fail_cleanly(command: Callable[..., None]) -> Callable[..., None]:
 
     return click.option("--debug", "debug_here", is_flag=True,
                         help="Show full tracebacks for errors.")(wrapper)
+
+
+def _report_interrupt() -> None:
+    _error("interrupted")
 
 
 def _error(message: str) -> None:
@@ -140,8 +142,7 @@ class _Group(click.Group):
             _error(f"error: {e.format_message()}")
             sys.exit(e.exit_code)
         except click.Abort:
-            _error("interrupted")
-            sys.exit(EXIT_INTERRUPTED)
+            interrupt.stop(_report_interrupt)
 
 
 @click.group("hlotool", cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
@@ -181,7 +182,7 @@ def _private_libtpu_logs() -> None:
         return  # the user's choice
     if not _LIBTPU_LOGS:
         _LIBTPU_LOGS.append(tempfile.mkdtemp(prefix="hlotool-libtpu-logs-"))
-        atexit.register(shutil.rmtree, _LIBTPU_LOGS[0], True)
+        interrupt.at_exit(functools.partial(shutil.rmtree, _LIBTPU_LOGS[0], True))
     os.environ["TPU_LOG_DIR"] = _LIBTPU_LOGS[0]
 
 
@@ -263,17 +264,19 @@ def inspect(
 
     names = [get_target(t).name for t in dict.fromkeys(targets)]
     path, functions = _capture(script, script_args)
-    # Detected in the first target's program: a function that calls a TPU kernel lowers for
-    # TPU only (a Pallas TPU call has no CPU lowering outside interpret mode).
-    programs = [(f, f.hlo(debug_info=True, target=names[0])) for f in functions]
-    sites = [s for f, text in programs for s in detect_hlo(text, f.name)]
-    misses = [m for f, text in programs for m in near_misses_hlo(text, f.name)] \
-        if why_not else []
-    calls = [c for t in names for c in kernel_calls_captured(functions, t)]
-    with_sites = {s.function for s in sites}
-    failed = _compile(functions, names, lambda f, t: t == names[0] or f.name in with_sites)
-    rows = [(f, _instruction_counts(f, names[0], failed)) for f in functions]
-    fates = _native_fates(functions, sites, names, failed)
+    with progress(f"finding attention in {len(functions)} function"
+                  f"{'s' if len(functions) != 1 else ''}"):
+        # Detected in the first target's program: a function that calls a TPU kernel lowers
+        # for TPU only (a Pallas TPU call has no CPU lowering outside interpret mode).
+        programs = [(f, f.hlo(debug_info=True, target=names[0])) for f in functions]
+        sites = [s for f, text in programs for s in detect_hlo(text, f.name)]
+        misses = [m for f, text in programs for m in near_misses_hlo(text, f.name)] \
+            if why_not else []
+        calls = [c for t in names for c in kernel_calls_captured(functions, t)]
+        with_sites = {s.function for s in sites}
+        failed = _compile(functions, names, lambda f, t: t == names[0] or f.name in with_sites)
+        rows = [(f, _instruction_counts(f, names[0], failed)) for f in functions]
+        fates = _native_fates(functions, sites, names, failed)
     term = Term.of()
     if as_json:
         doc = sites_document(sites, kernels=[c.to_json() for c in calls],
@@ -432,10 +435,17 @@ def dump(
 
 def _capture(script: str, script_args: Sequence[str]) -> tuple[str, list[CapturedFunction]]:
     """Split SCRIPT[:NAME], run the script, and keep the functions NAME selects."""
-    from hlotool.capture import capture_script, select
-
     path, pattern = _split_script(script)
-    functions = capture_script(path, script_args)
+    running = f"running {os.path.basename(path)}"
+
+    def compiling(name: str) -> None:
+        line.update(f"{running} (last compiled: {name})")
+
+    # At once: importing jax alone takes a second, and the script is why hlotool runs.
+    with progress(running, after=0) as line:
+        from hlotool.capture import capture_script, select
+
+        functions = capture_script(path, script_args, on_compile=compiling)
     if pattern:
         functions = select(functions, pattern)
     return path, functions
@@ -465,9 +475,16 @@ def _output_dir(path: str) -> str:
 
 def _output_file(path: str, force: bool) -> str:
     """`path` made absolute (the script may chdir), refused now if hlotool may not
-    replace it: before the script runs, not after."""
+    replace it or its directory is missing or not writable: before the script runs, not
+    after it (a long run's results would be lost)."""
     check_overwrite(path, force)
-    return os.path.abspath(path)
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise HlotoolError(f"no such directory: {folder} (for {path}); create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise HlotoolError(f"directory {folder} is not writable (for {path})")
+    return path
 
 
 def _args_cell(f: CapturedFunction) -> str:
@@ -701,7 +718,8 @@ def _serve_model_explorer(directory: str, port: int) -> None:
     click.echo(f"starting Model Explorer on http://localhost:{port} (Ctrl-C stops it)",
                err=True)
     try:
-        serve(directory, port=port)
+        with interrupt.handled_here():  # this Ctrl-C ends the viewer, not hlotool
+            serve(directory, port=port)
     except KeyboardInterrupt:
         click.echo("Model Explorer stopped", err=True)
 
@@ -829,28 +847,30 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
     compile_targets = [get_target(t) for t in dict.fromkeys(targets)]
     directory = _output_dir(output) if output is not None else None
     path, functions = _capture(script, script_args)
-    reports, memory = [], []
-    for f in functions:
-        with progress(f"rewriting {f.name}"):
-            report, rewritten = rewrite_captured(f, kernel)
-        reports.append(report)
-        written = set()
-        for t in compile_targets if directory is not None else ():
-            stem, _, rest = f.stage_filename(stage, t).partition(".")
-            name = f"{stem}.flash.{rest}"
-            if name in written:  # the jaxpr is the same for every target
-                continue
-            written.add(name)
-            with progress(f"{stage} of the rewritten {f.name} for {t.name}"):
-                text = rewritten.stage_text(stage, t)
-            write_output(os.path.join(directory, name), text, force=force, listed=True)
-            click.echo(printable(os.path.join(output, name)), err=as_json)
-        if report.rewritten:
-            for t in compile_targets:
-                with progress(f"compiling native and rewritten {f.name} for {t.name}"):
-                    memory.append(memory_row(f, rewritten, t.name))
-        elif kernel == "auto":
-            memory += _memory_if_it_paid(f, report, compile_targets)
+    reports, memory, files = [], [], []
+    # One line over the whole loop: its steps are each short, together they are not.
+    with progress(f"rewriting {len(functions)} function{'s' if len(functions) != 1 else ''}"):
+        for f in functions:
+            with progress(f"rewriting {f.name}"):
+                report, rewritten = rewrite_captured(f, kernel)
+            reports.append(report)
+            for t in compile_targets if directory is not None else ():
+                stem, _, rest = f.stage_filename(stage, t).partition(".")
+                name = f"{stem}.flash.{rest}"
+                if name in files:  # the jaxpr is the same for every target
+                    continue
+                files.append(name)
+                with progress(f"{stage} of the rewritten {f.name} for {t.name}"):
+                    text = rewritten.stage_text(stage, t)
+                write_output(os.path.join(directory, name), text, force=force, listed=True)
+            if report.rewritten:
+                for t in compile_targets:
+                    with progress(f"compiling native and rewritten {f.name} for {t.name}"):
+                        memory.append(memory_row(f, rewritten, t.name))
+            elif kernel == "auto":
+                memory += _memory_if_it_paid(f, report, compile_targets)
+    for name in files:  # after the progress line: stdout may share its terminal
+        click.echo(printable(os.path.join(output, name)), err=as_json)
     if as_json:
         click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,
                                "targets": [t.name for t in compile_targets],
@@ -1016,6 +1036,11 @@ cli.add_command(doctor)
 
 
 def main() -> None:
-    """Console entry point (``hlotool``, ``python -m hlotool``)."""
-    default_jax_platforms()
-    cli(prog_name="hlotool")
+    """Console entry point (``hlotool``, ``python -m hlotool``): Ctrl-C ends the process
+    within a second (`hlotool.interrupt`)."""
+    interrupt.arm(_report_interrupt)
+    try:
+        default_jax_platforms()
+        cli(prog_name="hlotool")
+    except KeyboardInterrupt:  # before a command took over (importing, parsing)
+        interrupt.stop(_report_interrupt)

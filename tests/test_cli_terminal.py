@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -127,7 +131,9 @@ def test_colour_on_a_terminal_only(model):
     assert ANSI.sub("", coloured.stdout) == plain.stdout
     assert not ANSI.search(run("cost", model, "--no-xla", FORCE_COLOR="1", NO_COLOR="1").stdout)
     failed = run("inspect", model + ":nothing", FORCE_COLOR="1")
-    assert failed.stderr.startswith("\x1b[1;31mhlotool:\x1b[0m error: no captured function")
+    # (FORCE_COLOR makes stderr a terminal: the script's progress line comes first.)
+    assert "\x1b[1;31mhlotool:\x1b[0m error: no captured function" in \
+        failed.stderr.splitlines()[-1]
 
 
 def test_table_wraps_prose_columns_and_keeps_numbers_whole():
@@ -255,6 +261,88 @@ def test_interrupt_exits_130(tmp_path):
     path.write_text("raise KeyboardInterrupt\n")
     result = run("inspect", str(path))
     assert result.exit_code == 130 and result.stderr == "hlotool: interrupted\n"
+
+
+# A computation jax runs on its worker threads after the script moved on (async dispatch):
+# exiting normally waits for it (jax's atexit hook joins those threads).
+STILL_COMPUTING = """\
+import time, jax, jax.numpy as jnp
+
+@jax.jit
+def heavy(x):
+    return jax.lax.fori_loop(0, 10**7, lambda i, x: jnp.sin(x @ x), x)
+
+heavy(jnp.ones((256, 256)))
+print("dispatched", flush=True)
+time.sleep(600)
+"""
+
+# An XLA compile of some seconds: the main thread is in C++ the whole time.
+LONG_COMPILE = """\
+import jax, jax.numpy as jnp
+
+def f(x):
+    for i in range(4000):
+        x = jnp.sin(x * (i + 1.0)) @ x if i % 7 == 0 else jnp.cos(x + i) * x
+    return x
+
+lowered = jax.jit(f).lower(jnp.ones((64, 64)))
+print("compiling", flush=True)
+lowered.compile()
+"""
+
+
+@pytest.mark.parametrize("script", [STILL_COMPUTING, LONG_COMPILE],
+                         ids=["jax-still-computing", "in-a-compile"])
+def test_ctrl_c_ends_the_process_at_once(tmp_path, script):
+    path = tmp_path / "slow.py"
+    path.write_text(script)
+    proc = subprocess.Popen([sys.executable, "-m", "hlotool", "inspect", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        # The script's own output goes to stderr; wait until it is in the slow part.
+        for line in proc.stderr:
+            if line.strip() in ("dispatched", "compiling"):
+                break
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        # Minutes of work were left: only a process that stops at once is done by then.
+        code = proc.wait(timeout=20)
+        assert code == 130
+        assert proc.stderr.read().strip().splitlines()[-1] == "hlotool: interrupted"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("args", [["cost", "--plot", "missing/cost.svg"],
+                                  ["diff", "-o", "missing/report.html"]])
+def test_a_missing_output_directory_is_refused_before_the_script_runs(model, tmp_path, args):
+    with open(model, "a") as f:
+        f.write("print('ran')\n")
+    command, *options = args
+    options[-1] = str(tmp_path / options[-1])
+    result = run(command, model, *options)
+    assert result.exit_code == 2 and "ran" not in result.output
+    assert result.stderr.splitlines() == [
+        f"hlotool: error: no such directory: {tmp_path / 'missing'} (for {options[-1]}); "
+        "create it first"]
+
+
+def test_a_step_that_is_never_short_shows_at_once_and_inner_steps_on_its_line(monkeypatch):
+    monkeypatch.setattr(console, "PROGRESS_AFTER_S", 5.0)
+    shown = _Tty()
+    with progress("running model.py", shown, after=0) as line:
+        with progress("compiling train_step for cpu") as inner:
+            assert inner is line and line.message == "compiling train_step for cpu"
+            time.sleep(0.4)
+        assert line.message == "running model.py"
+        line.update("running model.py (last compiled: forward)")
+        time.sleep(0.4)
+    out = shown.getvalue()
+    assert "running model.py" in out and "compiling train_step for cpu" in out
+    assert "(last compiled: forward)" in out
 
 
 def test_exit_codes_are_documented():

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from typing import IO
 
 from rich.console import Console
+from rich.live import Live
+from rich.spinner import Spinner
 from rich.text import Text
 
 # A compile shorter than this passes in silence; a longer one gets a live status line.
@@ -95,29 +97,68 @@ class _Wrapper(textwrap.TextWrapper):
         reversed_chunks[-1] = chunk[cut:]
 
 
+class Progress:
+    """The step a progress line names; `update` renames it while the block runs."""
+
+    def __init__(self, message: str) -> None:
+        self.message = printable(message)
+
+    def update(self, message: str) -> None:
+        self.message = printable(message)
+
+
+_shown: list[Progress] = []  # the progress line on screen (rich shows one live line at once)
+
+
 @contextlib.contextmanager
-def progress(message: str, term_stream: IO[str] | None = None) -> Iterator[None]:
+def progress(message: str, term_stream: IO[str] | None = None,
+             after: float | None = None) -> Iterator[Progress]:
     """Show `message` with a spinner and the seconds elapsed on stderr while the block runs
-    past `PROGRESS_AFTER_S`; nothing on a stream that is not a terminal."""
+    past `after` seconds (`PROGRESS_AFTER_S`; 0: at once, for a step that is never short);
+    nothing on a stream that is not a terminal. A progress inside another shows on the same
+    line. Lines written to sys.stderr meanwhile (a script's own output) print above it;
+    sys.stdout is left alone, as a script's capture redirects it."""
     console = Console(file=term_stream or sys.stderr, highlight=False, markup=False)
-    if not console.is_terminal:
-        yield
+    if _shown:
+        outer = _shown[-1]
+        saved, outer.message = outer.message, printable(message)
+        try:
+            yield outer
+        finally:
+            outer.message = saved
         return
+    handle = Progress(message)
+    if not console.is_terminal:
+        yield handle
+        return
+    after = PROGRESS_AFTER_S if after is None else after
     start = time.monotonic()
-    status = console.status(printable(message))
+    spinner = Spinner("dots", text=handle.message, style="status.spinner")
+    live = Live(spinner, console=console, refresh_per_second=12.5, transient=True,
+                redirect_stdout=False)
     done = threading.Event()
 
-    def tick() -> None:
-        if done.wait(PROGRESS_AFTER_S):
-            return
-        with status:
-            while not done.wait(0.25):
-                status.update(f"{printable(message)} ({time.monotonic() - start:.0f} s)")
+    def show() -> None:
+        while not done.wait(0.25):
+            spinner.update(text=f"{handle.message} ({time.monotonic() - start:.0f} s)")
 
-    thread = threading.Thread(target=tick, daemon=True)
+    def later() -> None:
+        if not done.wait(after):
+            with live:
+                show()
+
+    if not after:
+        # From this thread: a thread of its own would wait for the GIL while the block
+        # imports jax (loading its libraries holds the GIL for a second).
+        live.start()
+    thread = threading.Thread(target=later if after else show, daemon=True)
+    _shown.append(handle)
     thread.start()
     try:
-        yield
+        yield handle
     finally:
+        _shown.pop()
         done.set()
         thread.join()
+        if not after:
+            live.stop()

@@ -38,7 +38,8 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
     from hlotool.passes.from_hlo import detect_captured
 
     names = tuple(get_hardware(t).name for t in targets)
-    sites = detect_captured(functions)
+    with progress(f"finding attention in {len(functions)} function(s)"):
+        sites = detect_captured(functions)
     with progress(f"compiling {len(functions)} function(s) for XLA:TPU's own fusion"):
         fused = _fusion_in_program(functions, sites, names) if with_xla and sites else None
     entries = []
