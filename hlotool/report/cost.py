@@ -63,9 +63,11 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
     fitted = fit_table(HEADERS, rows, right_aligned={2, 3, 4, 5, 6},
                        wrap={0: 12, 1: 7, 6: 11, 7: 11},
                        optional=(6, 5, 4), keep={0, 1, 7}, term=term)
-    legend = ["t: roofline time", "c/m: compute- or memory-bound"]
-    if HEADERS[6] not in fitted.left_out:  # no legend for a column the table left out
-        legend.append("* XLA's number is known to be wrong there (--json says why)")
+    # No legend for a column the table left out.
+    legend = [text for columns, text in (
+        (HEADERS[2:4], "t: roofline time; c/m: compute- or memory-bound"),
+        (HEADERS[6:7], "* XLA's number is known to be wrong there (--json says why)"))
+        if not set(columns) <= set(fitted.left_out)]
     header = (f"{len(sites)} attention site{'s' if len(sites) != 1 else ''} in {path}, "
               f"priced for {priced}. {'; '.join(legend)}")
     return "\n".join([term.wrap(header), fitted.text, *(

@@ -95,6 +95,8 @@ def fit_table(headers: Sequence[str], rows: Sequence[Sequence[str | Text]],
         titled = [i for i in shown if i not in wrap]  # a title wider than its cells
         for group, least in ((prose, soft), (titled, hard), (prose, hard)):
             excess = _narrow(widths, group, least, excess)
+        _spread(widths, {i: [titles[i], *body[i]] for i in shown}, prose, natural,
+                term.width - _GAP * (len(shown) - 1))
     lines = _layout([titles[i] for i in shown], [[r[i] for i in shown] for r in cells],
                     [widths[i] for i in shown], [i in right_aligned for i in shown],
                     [i in wrap for i in shown])
@@ -123,14 +125,32 @@ def _narrow(widths: dict[int, int], group: Sequence[int], least: Sequence[int],
     return excess
 
 
+def _used(column: Sequence[Text], width: int, breaks_paths: bool) -> int:
+    """The width a column's cells take once wrapped to `width` (the title first)."""
+    return max(line.cell_len for k, cell in enumerate(column)
+               for line in wrap_cell(cell, width, breaks_paths or k == 0))
+
+
+def _spread(widths: dict[int, int], columns: Mapping[int, Sequence[Text]],
+            prose: Sequence[int], natural: Sequence[int], room: int) -> None:
+    """Shrink each column to what its wrapped lines (and title) use, then give what that
+    frees to the prose columns still wrapped, narrowest first ("train_step site1" on one
+    line rather than a path one line shorter)."""
+    for i in widths:
+        widths[i] = _used(columns[i], widths[i], i in prose)
+    for i in sorted(prose, key=lambda j: natural[j]):
+        slack = room - sum(widths.values())
+        if slack <= 0:
+            break
+        if widths[i] < natural[i]:
+            widths[i] = _used(columns[i], min(natural[i], widths[i] + slack), True)
+
+
 def _layout(titles: Sequence[Text], rows: Sequence[Sequence[Text]], widths: Sequence[int],
             right: Sequence[bool], wraps: Sequence[bool]) -> list[Text]:
     """The table's lines: bold titles, a dim rule, then each row, cells wrapped and padded."""
     wrapped_rows = [[wrap_cell(c, w) for c, w in zip(titles, widths)],
                     *([wrap_cell(c, w, b) for c, w, b in zip(row, widths, wraps)] for row in rows)]
-    # A wrapped column takes only the width its lines use.
-    widths = [max(line.cell_len for row in wrapped_rows for line in row[k])
-              for k in range(len(widths))]
 
     def block(wrapped: Sequence[list[Text]], style: str = "") -> list[Text]:
         height = max(map(len, wrapped), default=1)
