@@ -115,6 +115,13 @@ class _ScriptCommand(click.Command):
     """A command taking SCRIPT [-- ARGS]: an option it does not know is most likely the
     script's own, so the error says where those go."""
 
+    def invoke(self, ctx: click.Context) -> Any:
+        # Each command imports jax (a second, holding the GIL) before it runs the script:
+        # a line says so at once, on a terminal, rather than nothing for two seconds.
+        with progress("loading jax", after=0):
+            import hlotool.capture  # noqa: F401
+        return super().invoke(ctx)
+
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         try:
             return super().parse_args(ctx, args)

@@ -345,6 +345,16 @@ def test_a_step_that_is_never_short_shows_at_once_and_inner_steps_on_its_line(mo
     assert "(last compiled: forward)" in out
 
 
+def test_a_terminal_sees_a_line_from_the_start_of_a_run(model):
+    # Importing jax and running the script come first, each on a line shown at once (no
+    # threshold: neither is ever short); FORCE_COLOR makes stderr a terminal.
+    result = run("inspect", model, FORCE_COLOR="1")
+    assert result.exit_code == 0, result.output
+    assert "loading jax" in result.stderr and "running model.py" in result.stderr
+    assert "running model.py" not in result.stdout
+    assert not run("inspect", model).stderr  # not a terminal: no progress at all
+
+
 def test_exit_codes_are_documented():
     text = " ".join(run("--help").stdout.split())
     for line in ("0 success", "1 findings: `inspect --fail-on-sites` found naive attention",

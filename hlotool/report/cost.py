@@ -40,13 +40,15 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
     names = tuple(get_hardware(t).name for t in targets)
     with progress(f"finding attention in {len(functions)} function(s)"):
         sites = detect_captured(functions)
-    with progress(f"compiling {len(functions)} function(s) for XLA:TPU's own fusion"):
-        fused = _fusion_in_program(functions, sites, names) if with_xla and sites else None
     entries = []
-    for i, (s, f) in enumerate(zip(sites, fused or [None] * len(sites)), 1):
-        with progress(f"pricing site {i} of {len(sites)} on {', '.join(names)}"):
-            entries.append(site_entry(s, names, with_xla=with_xla, with_measure=measure,
-                                      backward=backward, native_fused=f))
+    # One line over all of it: each step may be short, together they are not.
+    with progress(f"pricing {len(sites)} site(s) on {', '.join(names)}"):
+        with progress(f"compiling {len(functions)} function(s) for XLA:TPU's own fusion"):
+            fused = _fusion_in_program(functions, sites, names) if with_xla and sites else None
+        for i, (s, f) in enumerate(zip(sites, fused or [None] * len(sites)), 1):
+            with progress(f"pricing site {i} of {len(sites)} on {', '.join(names)}"):
+                entries.append(site_entry(s, names, with_xla=with_xla, with_measure=measure,
+                                          backward=backward, native_fused=f))
     if plot_path and sites:
         _write_plot(plot_path, sites, names, force)
         click.echo(f"wrote {plot_shown or plot_path}", err=True)
