@@ -77,6 +77,13 @@ class _Static:
     softcap: float | None = None
     visit_all: bool = False  # a band, but no block skipped (see the module docstring)
     varying: frozenset = frozenset()  # mesh axes the operands vary over (in a shard_map body)
+    q_len: int = 0  # unpadded, where the kernel pads the queries to a block multiple; else 0
+
+    def real_rows(self, i, rows: int) -> jax.Array:
+        """bool [rows, 1]: which rows of query block i's tiles (G·block_q of them, the G
+        query heads of a K/V head stacked) are queries, not the kernel's padding."""
+        position = i * self.block_q + lax.iota(jnp.int32, self.block_q)
+        return jnp.tile(position < self.q_len, rows // self.block_q)[:, None]
 
     @property
     def skips(self) -> bool:
@@ -383,6 +390,10 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
     b, lq, hkv, g, d = q.shape
     lk, dv = k_t.shape[2], v_t.shape[-1]
     bq, nq, nk = st.block_q, lq // st.block_q, lk // st.block_k
+    if st.q_len:  # padding rows add nothing, even where their max or sum is NaN
+        real = jnp.arange(lq) < st.q_len
+        m, l = jnp.where(real, m, 0.0), jnp.where(real, l, 1.0)
+        out = jnp.where(real[:, None, None, None], out, 0.0)
     inv_l = 1.0 / l  # one division per row, not per score
 
     def key_block(i, block, banded, j, carry):
@@ -391,6 +402,8 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
         k_j, v_j = _key_rows(k_t, j, st), _key_rows(v_t, j, st)
         s, visible, capped = _scores(q_i, k_j, bias, mask, keys, i, j, st, banded)
         e = jnp.exp(s - m_i[..., None])
+        if st.q_len:  # a padding row's scores may be NaN (a NaN key no query sees): 0·NaN
+            e = jnp.where(st.real_rows(i, e.shape[2]), e, 0.0)
         dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
         keep = _keep(post, e.shape, i, j, st)  # once for dP and dV: a drawn one is costly
         ds = e * inv_l_i[..., None] * (_kept(dp, keep) - delta_i[..., None])
@@ -540,7 +553,8 @@ class Chunked(AttentionKernel):
                      varying=axes_varied_over(call.q, call.k, call.v, call.bias, call.mask,
                                               *jax.tree.leaves(call.post_mask), call.sinks,
                                               call.kv_lengths,
-                                              *(call.segments or ())))
+                                              *(call.segments or ())),
+                     q_len=lq if lq_p > lq else 0)
         q = _pad_axis(call.q.reshape(b, lq, hkv, g, d), 1, lq_p)
         k, v = _pad_axis(call.k, 1, lk_p), _pad_axis(call.v, 1, lk_p)
 

@@ -163,6 +163,9 @@ def _form(site: JaxprSite, chain) -> KernelForm:
     masks = tuple(by_node[id(t.at), id(t.operand)] for t in chain.masks if t.kind == "boolean")
     segments = tuple(by_node[id(t.at), id(t.operand)] for t in chain.masks
                      if t.kind in ("segment_q", "segment_kv"))
+    if len(segments) > 2:  # a call compares one pair of ids
+        raise RewriteError("the mask compares two pairs of segment ids (packed sequences "
+                           "twice); a kernel call takes one")
     # A window can leave a row no key (a query past the keys' end); causal alone cannot.
     hides_rows = bool(biases or masks or chain.window or segments)
     form = KernelForm(scale=site.scale, causal=chain.causal, fill=chain.fill, biases=biases,
