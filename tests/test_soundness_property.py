@@ -189,3 +189,27 @@ FOUND = [
 def test_programs_the_fuzz_found_are_rewritten_and_equal(program):
     assert soundness_programs.check(
         program, compiler_options=soundness_programs.FAST_COMPILE) == ("rewritten", "")
+
+
+# Programs the grown grammar (issue 35) found wrong, and what they must come out as now.
+FOUND_GROWN = [
+    pytest.param(Program(
+        dtype="float32", layout="BLHD", b=1, hq=1, hkv=1, lq=33, lk=40, d=8,
+        steps=(Step(kind="select_bias", mask="key_padding", fill="-inf"),
+               Step(kind="mask", mask="tril_k", fill="finfo.min", offset=1)),
+        nan_key=True), "rewritten",
+        id="a NaN key the queries' padding rows see: 0·NaN spread over every dv (inf)"),
+    pytest.param(Program(
+        dtype="float32", layout="BLDH", b=2, hq=2, hkv=2, lq=16, lk=129, d=8,
+        steps=(Step(kind="mask", mask="segments_and_causal", fill="-1e9"),
+               Step(kind="mask", mask="segments_and_causal", fill="-1e9", mirrored=True)),
+        seed=53624), "native",
+        id="two pairs of segment ids: the second was dropped (dv 48% off)"),
+]
+
+
+@pytest.mark.parametrize("program, outcome", FOUND_GROWN)
+def test_programs_the_grown_grammar_found(program, outcome):
+    got, detail = soundness_programs.check(
+        program, compiler_options=soundness_programs.FAST_COMPILE)
+    assert got == outcome, detail
