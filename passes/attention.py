@@ -937,7 +937,7 @@ class _Roles:
                 role = found.pop()
             else:
                 raise _Reject(f"an axis that merges {' and '.join(sorted(found))}")
-            out.append((n, role, min(lab)))
+            out.append((n, role, (min(lab), -1)))  # sorts beside a split axis's (token, piece)
         return out
 
     def layout(self, shape: tuple[int, ...], labels: axes.Labels, order: str) -> Layout:

@@ -103,7 +103,10 @@ def trace(where: Manual | None, fn: Callable[..., Any], in_avals: Sequence[Any],
     mapped = jax.shard_map(flat, mesh=where.mesh, in_specs=(P(),) * len(in_avals),
                            out_specs=tuple(P(axes) if axes else P() for axes in leaving),
                            axis_names=set(where.axes), check_vma=where.check_vma)
-    outer = jax.make_jaxpr(mapped)(*(where._replicated(a) for a in in_avals))
+    try:
+        outer = jax.make_jaxpr(mapped)(*(where._replicated(a) for a in in_avals))
+    except ValueError as err:  # a body nested in one already traced under its mesh (a cond's
+        raise TraceError(f"cannot trace the piece under the body's mesh: {err}") from None
     (eqn,) = [e for e in outer.jaxpr.eqns if e.primitive.name == jaxcompat.SHARD_MAP]
     body = eqn.params["jaxpr"]
     body = body.jaxpr if isinstance(body, jaxcompat.ClosedJaxpr) else body
