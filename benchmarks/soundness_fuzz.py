@@ -5,7 +5,8 @@
 
 Each program (grammar and check in tests/soundness_programs.py) comes out "rewritten" (its
 outputs and gradients equal jax.jit's within the dtype's tolerance), "native" (every site
-kept native with a reason, or no site: look-alikes), "wrong", or "crashed" (an exception,
+kept native with a reason, or no site: look-alikes), "overflowed" (the naive program's own
+output is not finite where the float64 one is: nothing to keep), "wrong", or "crashed" (an exception,
 which flash_jit must never raise for a program jax.jit runs). Prints one row per feature
 (dtype, layout, mask kind, fill, bias shape, ...) and the wrong and crashed programs in
 full; exits 1 if there is any.
@@ -106,7 +107,7 @@ def main() -> int:
     print(f"{len(rows)} programs in {seconds:.0f} s ({args.jobs} job(s), seeds "
           f"{args.seed}..{seed - 1}, mode {args.mode}"
           f"{', optimization level 0' if args.fast_compile else ''})\n")
-    columns = ("wrong", "crashed", "native", "rewritten")
+    columns = ("wrong", "crashed", "native", "rewritten", "overflowed")
     print(f"{'feature':<{width}}  " + "  ".join(f"{c:>9}" for c in columns))
     print(f"{'-' * width}  " + "  ".join("-" * 9 for _ in columns))
     for f in sorted(per_feature):
