@@ -485,10 +485,11 @@ class AttentionKernel(abc.ABC):
             return lambda c: kernel._attend(c).astype(c.result_dtype)
 
         if self.hidden_logit is None or not self._hides_keys(call):
-            return attend(self)(call)
+            return _rows_without_kept_keys(call, attend(self)(call))
         from hlotool.kernels.chunked import Chunked  # the exact kernel; imports this module
 
-        return lax.cond(self._exact(call), attend(self), attend(Chunked()), call)
+        out = lax.cond(self._exact(call), attend(self), attend(Chunked()), call)
+        return _rows_without_kept_keys(call, out)
 
     def _exact(self, call: Call) -> jax.Array:
         """bool scalar: whether this kernel's own way of hiding keys (`hidden_logit`)
@@ -497,6 +498,17 @@ class AttentionKernel(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def _rows_without_kept_keys(call: Call, out: jax.Array) -> jax.Array:
+    """`out` [B, Lq, Hq, Dv] with 0 in the rows a bool post_mask keeps no key of: the program's
+    where(post_mask, p, 0) makes them 0 even where the row's softmax is NaN (a NaN key it
+    hides before the softmax), which a kernel's normalizer would carry into them."""
+    post = call.post_mask
+    if post is None or isinstance(post, DrawnMask) or post.dtype != jnp.bool_:
+        return out
+    kept = jnp.moveaxis(jnp.any(post, axis=-1), 1, 2)[..., None]  # [B|1, Lq|1, Hq|1, 1]
+    return jnp.where(kept, out, jnp.zeros((), out.dtype))
 
 
 def cdiv(a, b):

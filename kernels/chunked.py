@@ -395,6 +395,7 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
         m, l = jnp.where(real, m, 0.0), jnp.where(real, l, 1.0)
         out = jnp.where(real[:, None, None, None], out, 0.0)
     inv_l = 1.0 / l  # one division per row, not per score
+    dropping = post is not None and not isinstance(post, DrawnMask) and post.dtype == jnp.bool_
 
     def key_block(i, block, banded, j, carry):
         dq_i, dk_t, dv_t, dbias = carry
@@ -406,7 +407,8 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
             e = jnp.where(st.real_rows(i, e.shape[2]), e, 0.0)
         dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
         keep = _keep(post, e.shape, i, j, st)  # once for dP and dV: a drawn one is costly
-        ds = e * inv_l_i[..., None] * (_kept(dp, keep) - delta_i[..., None])
+        p = e * inv_l_i[..., None]
+        ds = p * (_kept(dp, keep) - delta_i[..., None])
         if visible is not None:
             ds = jnp.where(visible, ds, 0.0)
         dbias_tile = ds
@@ -416,8 +418,10 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
                 ds = jnp.where(visible, ds, 0.0)  # its tanh' must not reach dq or dk
         if st.scale != 1.0 and not st.scale_q:
             ds = ds * st.scale  # d(scale·q·k) w.r.t. q·k
-        dv_t = _add_keys(dv_t, jnp.einsum("bhdq,bhqk->bhdk", do_t, _kept(e, keep)),
-                         j, st)
+        # A bool post_mask drops a key's weight, NaN or not (a row's normalizer is NaN when
+        # it hides a NaN key before the softmax): dO is then scaled by 1/l only in the tile.
+        kept = _kept(p, keep) if dropping else _kept(e, keep)
+        dv_t = _add_keys(dv_t, jnp.einsum("bhdq,bhqk->bhdk", do_t, kept), j, st)
         dk_t = _add_keys(dk_t, jnp.einsum("bhdq,bhqk->bhdk", q_t, ds,
                                           preferred_element_type=jnp.float32), j, st)
         dq_i = dq_i + jnp.einsum("bhqk,bhkd->bhqd", ds, k_j, preferred_element_type=jnp.float32)
@@ -440,8 +444,8 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
         # dV = Pᵀ·dO = exp(S - m)ᵀ·(dO / l): with 1/l on dO's rows, the tile's exponentials
         # feed dV as they are, and no normalized copy of them is written.
         block = (q_i, jnp.swapaxes(q_i, 2, 3), do_i,
-                 jnp.swapaxes(do_i * inv_l_i[..., None], 2, 3), _rows(m, i, st), inv_l_i,
-                 delta_i)
+                 jnp.swapaxes(do_i if dropping else do_i * inv_l_i[..., None], 2, 3),
+                 _rows(m, i, st), inv_l_i, delta_i)
         init = (jnp.zeros(q_i.shape, jnp.float32), dk_t, dv_t, dbias)
         (dq_i, dk_t, dv_t, dbias), _ = _key_loop(
             i, nk, lambda banded: functools.partial(key_block, i, block, banded), init, st)

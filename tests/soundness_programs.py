@@ -815,7 +815,12 @@ def _terms(p: Program, args, count: int) -> list[float]:
               if step.kind == "bias"]
     head_mask = [do * v] if p.head_mask == "data" else []
     sinks = [do * v] if p.sinks else []
-    return ([v, do * v * c * k, do * v * c * q, do] + biases + head_mask + sinks)[:count]
+    terms = [v, do * v * c * k, do * v * c * q, do] + biases + head_mask + sinks
+    if p.operand_op and p.operand_op[1] == "reduce_precision":
+        # jax rounds the operand's cotangent to fp8 too (reduce_precision is linear): a sum
+        # taken in any other order may round one fp8 step (2^-3) away, so that is its tolerance.
+        terms[1 + "qkv".index(p.operand_op[0])] *= 2.0 ** -3 / TOLERANCE[p.dtype]
+    return terms[:count]
 
 
 def _worst(got, want, terms, overflowed=None) -> tuple[float, int]:

@@ -208,6 +208,22 @@ FOUND_GROWN = [
                Step(kind="mask", mask="segments_and_causal", fill="-1e9", mirrored=True)),
         seed=53624), "native",
         id="two pairs of segment ids: the second was dropped (dv 48% off)"),
+    pytest.param(Program(
+        dtype="float32", layout="BLHD", b=2, hq=4, hkv=1, lq=16, lk=2, d=16,
+        steps=(Step(kind="select_bias", mask="lengths", fill="finfo.min", offset=1),),
+        post_mask="repeat", seed=341, nan_key=True), "rewritten",
+        id="a NaN key's row that the post-softmax mask empties: 0 in the program, NaN out"),
+    pytest.param(Program(
+        dtype="float16", layout="BLHD", b=1, hq=1, hkv=1, lq=1, lk=16, d=8,
+        steps=(Step(kind="scale", value=1e-06), Step(kind="scale", value=0.0001)),
+        post_mask="same"), "rewritten",
+        id="a NaN row's keys the post-softmax mask drops: 0 in the program's dv, NaN"),
+    pytest.param(Program(
+        dtype="float32", layout="BLHD", b=2, hq=4, hkv=4, lq=129, lk=16, d=16,
+        steps=(Step(kind="mask", mask="causal_and_padding", fill="-1e9", offset=1),),
+        post_mask="mirrored", sinks=True, seed=4281, operand_op=("q", "reduce_precision")),
+        "rewritten", id="fp8-rounded q: its gradient is rounded too, one fp8 step is its "
+        "tolerance (6e-5 > 1e-5)"),
 ]
 
 
