@@ -42,6 +42,10 @@ STAGES: tuple[str, ...] = ("jaxpr", "stablehlo", "hlo", "optimized")
 # Functions whose source lives inside jax itself are eager dispatch (`jnp.ones(...)`,
 # `x + 1` outside jit), not the user's programs.
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+# Nor are the kernels' own probes (a compile asked of XLA the first time a kernel is traced,
+# `kernels.chunked._max_by_halves`), which would otherwise show up as the user's "<lambda>".
+_KERNELS_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec(
+    "hlotool.kernels").origin)) + os.sep
 
 class ScriptError(HlotoolError):
     """The user's script could not be run to completion."""
@@ -239,7 +243,7 @@ def _compile_hook(on_compile: Callable[[str], None] | None = None
     records: list[_Record] = []
 
     def hook(closed_jaxpr: ClosedJaxpr, api_name: str, fun_name: str, *args, **kwargs):
-        if on_compile is not None and not _in_jax(closed_jaxpr):
+        if on_compile is not None and not _not_users(closed_jaxpr):
             on_compile(fun_name)
         start = time.perf_counter()
         computation = lower(closed_jaxpr, api_name, fun_name, *args, **kwargs)
@@ -263,10 +267,11 @@ def _compile_hook(on_compile: Callable[[str], None] | None = None
         yield records
 
 
-def _in_jax(closed_jaxpr: ClosedJaxpr) -> bool:
-    """Whether the function lives inside jax itself: eager dispatch, not the user's program."""
+def _not_users(closed_jaxpr: ClosedJaxpr) -> bool:
+    """Whether the function lives inside jax itself (eager dispatch) or hlotool's kernels (a
+    probe): not the user's program."""
     source = getattr(closed_jaxpr.jaxpr.debug_info, "func_src_info", None)
-    return bool(source) and _source_path(source).startswith(_JAX_DIR)
+    return bool(source) and _source_path(source).startswith((_JAX_DIR, _KERNELS_DIR))
 
 
 def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
@@ -276,7 +281,7 @@ def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
     for r in records:
         info = r.closed_jaxpr.jaxpr.debug_info
         source = getattr(info, "func_src_info", None)
-        if _in_jax(r.closed_jaxpr):
+        if _not_users(r.closed_jaxpr):
             continue
         key = (r.name, str(r.closed_jaxpr), r.donated)
         if key in seen:

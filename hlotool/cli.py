@@ -31,7 +31,7 @@ from hlotool.errors import (
 from hlotool.hardware import HARDWARE, get_hardware
 from hlotool.report.console import Term, printable, progress
 from hlotool.report.table import format_table
-from hlotool.targets import TARGETS, default_jax_platforms
+from hlotool.targets import TARGETS, default_jax_platforms, load_tpu_compiler
 
 if TYPE_CHECKING:
     from hlotool.capture import CapturedFunction
@@ -440,8 +440,12 @@ def dump(
     )
 
 
-def _capture(script: str, script_args: Sequence[str]) -> tuple[str, list[CapturedFunction]]:
-    """Split SCRIPT[:NAME], run the script, and keep the functions NAME selects."""
+def _capture(script: str, script_args: Sequence[str], *, tpu_compiler: bool = False
+             ) -> tuple[str, list[CapturedFunction]]:
+    """Split SCRIPT[:NAME], run the script, and keep the functions NAME selects.
+    tpu_compiler: load libtpu first, so that every site's decision probes XLA:TPU's own fusion
+    alike (the deciding commands; not `profile`: jax.profiler crashes in a process that loaded
+    it)."""
     path, pattern = _split_script(script)
     running = f"running {os.path.basename(path)}"
 
@@ -451,6 +455,9 @@ def _capture(script: str, script_args: Sequence[str]) -> tuple[str, list[Capture
     # At once: importing jax alone takes a second, and the script is why hlotool runs.
     with progress(running, after=0) as line:
         from hlotool.capture import capture_script, select
+
+        if tpu_compiler:
+            load_tpu_compiler()
 
         functions = capture_script(path, script_args, on_compile=compiling)
     if pattern:
@@ -650,7 +657,7 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
         where = _output_dir(output)
     elif output is not None:
         where = _output_file(output, force)
-    path, functions = _capture(script, script_args)
+    path, functions = _capture(script, script_args, tpu_compiler=True)
     term = Term.of()
     diffs, verdicts, notes, memory = [], [], [], []
     for f in functions:
@@ -778,26 +785,18 @@ def _left_native(f: CapturedFunction, report: Any) -> str:
 
 def _kernel_if_it_paid(report: Any, platform: str) -> tuple[str, str] | None:
     """For a report where auto rewrote nothing: the kernel `platform` would run the first
-    site with if the cost model said it paid, and auto's verdict for that platform as one
-    line; None when no kernel takes the sites."""
-    from hlotool import kernels
-    from hlotool.report.rewrite import platform_reasons
-
-    reasons = []
-    name = None
+    site with if the cost model said it paid (the one its verdict priced), and auto's
+    verdict for that platform as one line; None when no kernel takes the sites."""
+    name, reasons = None, []
     for s in report.sites:
-        found = platform_reasons(s.reason)
-        if platform not in found:
+        choice = s.choices.get(platform)
+        if s.blocker or choice is None or choice.priced is None:
             continue  # kept native for another reason than cost (a blocker): no kernel helps
-        reasons.append(found[platform])
-        if name is None:
-            try:
-                name = kernels.select(s.site, platform)[0].name
-            except HlotoolError:
-                continue
+        reasons.append(choice.reason.removeprefix("keep native "))
+        name = name or choice.priced
     if name is None:
         return None
-    why = "; ".join(dict.fromkeys(r.removeprefix("keep native ") for r in reasons))
+    why = "; ".join(dict.fromkeys(reasons))
     return name, (f"auto keeps native here {why}. Shown: {name}, the kernel {platform} "
                   f"would run if it paid (--kernel {name}).")
 
@@ -853,7 +852,7 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
         raise HlotoolError("--stage and -o go together: name both to write rewritten programs")
     compile_targets = [get_target(t) for t in dict.fromkeys(targets)]
     directory = _output_dir(output) if output is not None else None
-    path, functions = _capture(script, script_args)
+    path, functions = _capture(script, script_args, tpu_compiler=True)
     reports, memory, files = [], [], []
     # One line over the whole loop: its steps are each short, together they are not.
     with progress(f"rewriting {len(functions)} function{'s' if len(functions) != 1 else ''}"):
@@ -970,7 +969,7 @@ def cost(script: str, script_args: tuple[str, ...], targets: tuple[str, ...], as
 
     targets = tuple(get_hardware(t).name for t in (targets or ("cpu",)))
     plot_file = _output_file(plot_path, force) if plot_path else None
-    path, functions = _capture(script, script_args)
+    path, functions = _capture(script, script_args, tpu_compiler=True)
     term = Term.of()
     _echo(cost_report(path, functions, targets, as_json=as_json, backward=backward,
                       with_xla=not no_xla, measure=measure, plot_path=plot_file,

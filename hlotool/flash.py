@@ -25,9 +25,9 @@ import jax
 import numpy as np
 
 from hlotool import jaxcompat, kernels
-from hlotool.cost.decision import decide
+from hlotool.cost.decision import Choice, choose
 from hlotool.errors import HlotoolError, first_line
-from hlotool.kernels.base import Call, Support
+from hlotool.kernels.base import Call
 from hlotool.kernels.registry import PLATFORMS
 from hlotool.kernels.sharded import mesh_of, on_mesh
 from hlotool.passes import lower
@@ -40,58 +40,7 @@ from hlotool.passes.rewrite import (
     recomputed, rewrite, site_equations,
 )
 from hlotool.site import AttentionSite
-
-
-@dataclasses.dataclass(frozen=True)
-class SiteReport:
-    """One site's outcome. `kernels[platform]` is the kernel name, None where native."""
-
-    site: AttentionSite
-    where: str
-    kernels: Mapping[str, str | None]
-    reason: str
-
-    @property
-    def rewritten(self) -> bool:
-        return any(self.kernels.values())
-
-    def to_json(self) -> dict[str, Any]:
-        return {"site": self.site.to_json(), "where": self.where, "kernels": dict(self.kernels),
-                "rewritten": self.rewritten, "reason": self.reason}
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """Per-site decisions for one traced function; `str()` is a table."""
-
-    function: str
-    sites: tuple[SiteReport, ...]
-    note: str = ""  # why nothing was looked at, when the whole program was left alone
-
-    @property
-    def rewritten(self) -> int:
-        return sum(s.rewritten for s in self.sites)
-
-    def to_json(self) -> dict[str, Any]:
-        out = {"function": self.function, "sites": [s.to_json() for s in self.sites]}
-        if self.note:
-            out["note"] = self.note
-        return out
-
-    def __str__(self) -> str:
-        if self.note:
-            return f"{self.function}: left native: {self.note}"
-        if not self.sites:
-            return f"{self.function}: no attention site"
-        lines = [f"{self.function}: {len(self.sites)} site(s), {self.rewritten} rewritten"]
-        for i, s in enumerate(self.sites):
-            a = s.site
-            per = ", ".join(f"{p}: {k or 'native'}" for p, k in s.kernels.items())
-            lines.append(
-                f"  [{i}] {a.source or '?'} ({s.where}) q{list(a.q_shape)} k{list(a.k_shape)} "
-                f"{a.dtype} mask={a.mask}{''.join(', ' + v for v in a.variants)}\n"
-                f"      {per}\n      {s.reason}")
-        return "\n".join(lines)
+from hlotool.site_report import Report, SiteReport
 
 
 # ----------------------------------------------------------------------------------------
@@ -114,6 +63,11 @@ class _Form:
     recomputes: tuple[Recompute, ...]
     note: str
 
+    @property
+    def trained(self) -> bool:
+        """Whether the program differentiates the site (priced forward and backward)."""
+        return self.backward is not None or bool(self.recomputes)
+
 
 def _form(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, skip: frozenset) -> _Form:
     """`RewriteError` when dropping the site's equations would change the program or no
@@ -124,32 +78,19 @@ def _form(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, skip: frozenset) -> _Form:
     found, missed = recomputed(jaxpr, site, skip)
     note = ""
     if found:
-        note = "; its backward under jax.checkpoint recomputes it in the kernel too"
+        note = "its backward under jax.checkpoint recomputes it in the kernel too"
     elif missed:
-        note = f"; its backward under jax.checkpoint stays native: {missed}"
+        note = f"its backward under jax.checkpoint stays native: {missed}"
     return _Form(kernel, backward, tuple(found), note)
 
 
-def _choices(site: JaxprSite, form: lower.KernelForm, kernel: str) -> dict[str, Any]:
-    """Per platform, the `decide` choice, checked against what the call really asks for
-    (`KernelForm.features`)."""
-    features = form.features
-    out = {}
-    for p in PLATFORMS:
-        choice = decide(site.site, p, kernel)
-        if choice.kernel is not None:
-            chosen = kernels.get(choice.kernel)
-            support = chosen.supports(site.site, features)
-            if support and site.manual is not None and site.manual.check_vma \
-                    and not chosen.typed_for_shard_map:
-                support = Support.no(
-                    f"{chosen.name} gives its outputs no shard_map axis types, which jax "
-                    "requires in a shard_map with check_vma=True (pass check_vma=False to "
-                    "that shard_map to run it there)")
-            if not support:
-                choice = dataclasses.replace(choice, kernel=None, reason=support.reason)
-        out[p] = choice
-    return out
+def _choices(site: JaxprSite, form: _Form, kernel: str) -> dict[str, Choice]:
+    """Per platform, the one decision (`cost.decision.choose`) for what the call asks of a
+    kernel (`KernelForm.features`), priced forward and backward where the program
+    differentiates the site."""
+    check_vma = site.manual is not None and site.manual.check_vma
+    return {p: choose(site.site, p, kernel, features=form.kernel.features, check_vma=check_vma,
+                      backward=form.trained) for p in PLATFORMS}
 
 
 def scope(index: int, site: AttentionSite) -> str:
@@ -281,8 +222,8 @@ def plan_program(closed: jaxcompat.ClosedJaxpr, function: str, kernel: str = "au
             return plan
         unmoved = _plan(closed, sites, function, kernel, disabled, mesh)
         return dataclasses.replace(unmoved, report=dataclasses.replace(unmoved.report, sites=tuple(
-            dataclasses.replace(r, reason=f"{r.reason} (recomputed in the backward loop, it "
-                                f"would stay native there: {left[0]})")
+            dataclasses.replace(r, notes=(*r.notes, f"recomputed in the backward loop, it "
+                                          f"would stay native there: {left[0]}"))
             if not r.rewritten and s.enclosing == "scan" and s.escaping else r
             for r, s in zip(unmoved.report.sites, sites))))
     return _plan(closed, sites, function, kernel, disabled, mesh)
@@ -295,32 +236,35 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
     sited = frozenset(site.path for site in sites)
     for index, site in enumerate(sites, 1):
         jaxpr = jaxpr_at(closed, site.path)
-        plan = dict.fromkeys(PLATFORMS)
-        reason = disabled.get(site_key(site))
-        if reason is None:
-            try:
-                form = _form(jaxpr, site, sited)
-                choices = _choices(site, form.kernel, kernel)
-                plan = {p: c.kernel for p, c in choices.items()}
-                reason = "; ".join(f"{p}: {c.reason}" for p, c in choices.items())
-                if any(plan.values()):
-                    # Inside a shard_map body the kernel already sees one device's shard.
-                    on = mesh if site.manual is None else None
-                    replacements.append((site, prepare(jaxpr, site, replacement(
-                        jaxpr, site, form.kernel, plan, on, index, form.backward,
-                        form.recomputes), cache)))
-                    reason += form.note + _repeat_note(form.kernel) + _drawing_note(form.kernel,
-                                                                                    plan)
-                    if recomputed_here(jaxpr, site):
-                        reason += ("; recomputed in the backward loop from its inputs, which "
-                                   "the forward loop saves in place of its probabilities")
-            except (RewriteError, TraceError) as err:
-                plan, reason = dict.fromkeys(PLATFORMS), str(err)
-            except Exception as err:  # noqa: BLE001 - a kernel that cannot trace: keep native
-                plan = dict.fromkeys(PLATFORMS)
-                reason = (f"the replacement could not be traced ({type(err).__name__}: "
-                          f"{first_line(err)})")
-        reports.append(SiteReport(site.site, describe_path(closed, site.path), plan, reason))
+        where = describe_path(closed, site.path)
+        blocker = disabled.get(site_key(site))
+        if blocker is not None:
+            reports.append(SiteReport.native(site.site, where, PLATFORMS, blocker))
+            continue
+        try:
+            form = _form(jaxpr, site, sited)
+            choices = _choices(site, form, kernel)
+            plan = {p: c.kernel for p, c in choices.items()}
+            notes = ()
+            if any(plan.values()):
+                # Inside a shard_map body the kernel already sees one device's shard.
+                on = mesh if site.manual is None else None
+                replacements.append((site, prepare(jaxpr, site, replacement(
+                    jaxpr, site, form.kernel, plan, on, index, form.backward,
+                    form.recomputes), cache)))
+                notes = tuple(filter(None, (form.note, _repeat_note(form.kernel),
+                                            _drawing_note(form.kernel, plan))))
+                if recomputed_here(jaxpr, site):
+                    notes += ("recomputed in the backward loop from its inputs, which the "
+                              "forward loop saves in place of its probabilities",)
+            reports.append(SiteReport(site.site, where, choices, notes=notes,
+                                      trained=form.trained))
+        except (RewriteError, TraceError) as err:
+            reports.append(SiteReport.native(site.site, where, PLATFORMS, str(err)))
+        except Exception as err:  # noqa: BLE001 - a kernel that cannot trace: keep native
+            reports.append(SiteReport.native(
+                site.site, where, PLATFORMS, f"the replacement could not be traced "
+                f"({type(err).__name__}: {first_line(err)})"))
     return Plan(Report(function, tuple(reports)), closed, replacements)
 
 
@@ -328,7 +272,7 @@ def _repeat_note(form: lower.KernelForm) -> str:
     """How the call reads a post-softmax where-mask that repeats the logits' mask."""
     if form.hard_fill is None:
         return ""
-    return ("; its where(mask, p, 0) after the softmax repeats the logits' mask: left out, "
+    return ("its where(mask, p, 0) after the softmax repeats the logits' mask: left out, "
             "hidden keys at -inf, where every row sees a key and the fill "
             f"{form.hard_fill:g} leaves them no weight (checked per call; else the site as it "
             "is, in chunked)")
@@ -341,8 +285,8 @@ def _drawing_note(form: lower.KernelForm, plan: Mapping[str, str | None]) -> str
     if not drawers or (mask is None and why_not is None):
         return ""
     if mask is not None:
-        return f"; {'/'.join(drawers)} draws the keep mask per tile from its key"
-    return f"; {'/'.join(drawers)} reads the keep mask whole ({why_not})"
+        return f"{'/'.join(drawers)} draws the keep mask per tile from its key"
+    return f"{'/'.join(drawers)} reads the keep mask whole ({why_not})"
 
 
 def symbolic_dims(closed: jaxcompat.ClosedJaxpr) -> list[str]:

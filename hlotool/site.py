@@ -148,6 +148,18 @@ class AttentionSite:
             self.batch * self.num_q_heads * self.q_len * self.kv_len * np.dtype(dtype).itemsize
         )
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> AttentionSite:
+        """The site a `to_json` object describes (its derived fields dropped)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in doc.items() if k in names}
+        for key in ("q_shape", "k_shape", "v_shape", "mask_shape", "multiplier_shape", "window"):
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key])
+        if isinstance(fields.get("mask_fill"), str):
+            fields["mask_fill"] = float(fields["mask_fill"])
+        return cls(**fields)
+
     def to_json(self) -> dict[str, Any]:
         """The site as the versioned report's JSON object."""
         out = dataclasses.asdict(self)

@@ -110,6 +110,25 @@ def default_jax_platforms() -> None:
 LIBTPU_HINT = 'pip install "hlotool[tpu]"'
 
 
+def tpu_compiler_loaded() -> bool:
+    """Whether this process has libtpu mapped (a deviceless TPU compile loaded it, or jax runs
+    on a TPU). XLA:TPU's own attention fusion is probed only then: loading libtpu just to
+    decide would make `jax.profiler` crash in the caller's process (`cost.trace`)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return "libtpu" in f.read()
+    except OSError:  # no /proc (not Linux): nothing to check
+        return False
+
+
+def load_tpu_compiler() -> None:
+    """Load libtpu for deviceless compiles, where it is installed, so that every decision a
+    command makes can probe XLA:TPU's fusion (`tpu_compiler_loaded`); a no-op without it."""
+    if _installed("libtpu"):
+        with contextlib.suppress(HlotoolError):
+            _replicated_sharding(get_target("tpu-v5e").topology)
+
+
 def libtpu_missing(target: str) -> str | None:
     """Why `target` cannot compile deviceless here for want of libtpu (one line), or None."""
     if _installed("libtpu"):

@@ -1,6 +1,7 @@
 """Attention kernels behind one interface (installed as hlotool.kernels).
 
-Registry: `get(name)`, `names()`, `available()`, `select(site, platform)`; dispatcher:
+Registry: `get(name)`, `names()`, `available()`; the table per platform, `order(platform)`, and
+`first_taking(site, platform)`, which walks it keeping each `Refusal`; dispatcher:
 `attention(q, k, v, ..., kernel="auto")`, one traced program that lowers to the preferred kernel
 of each platform (TPU → tokamax_tpu where tokamax is installed, else splash_tpu, pallas_tpu for
 what splash refuses, dropout_tpu for dropout; CUDA → pallas_gpu; anything else → chunked), falling back down `PRIORITY`
@@ -18,11 +19,15 @@ from hlotool.kernels.base import (
 from hlotool.kernels.registry import (
     PLATFORMS,
     PRIORITY,
+    Refusal,
     attention,
     available,
+    first_taking,
     get,
     names,
+    order,
     per_platform,
+    registered,
     select,
 )
 
@@ -33,11 +38,15 @@ __all__ = [
     "KernelError",
     "PLATFORMS",
     "PRIORITY",
+    "Refusal",
     "Support",
     "attention",
     "available",
+    "first_taking",
     "get",
     "names",
+    "order",
     "per_platform",
+    "registered",
     "select",
 ]

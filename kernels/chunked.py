@@ -358,8 +358,12 @@ def _skipped_keys_dv(m, inv_l, do, nk: int, st: _Static) -> jax.Array:
     prefix = jnp.concatenate([jnp.zeros_like(contrib[:, :1]), jnp.cumsum(contrib, axis=1)],
                              axis=1)
     bq, nq = st.block_q, do.shape[1] // st.block_q
-    first = [query_block_span(j, nq, bq, st.block_k, st.band)[0] * bq for j in range(nk)]
-    return jnp.repeat(prefix[:, first], st.block_k, axis=1)
+    # Computed from an iota, not a list: a list is a constant array, which a shard_map body
+    # traced on its own (`passes.tracing`) cannot close over.
+    first, _ = query_block_span(jnp.arange(nk), nq, bq, st.block_k, st.band,
+                                maximum=jnp.maximum, minimum=jnp.minimum)
+    first = jnp.broadcast_to(first * bq, (nk,))
+    return jnp.repeat(prefix[:, first], st.block_k, axis=1)  # clamped, as a list indexes
 
 
 def _add_keys(acc_t: jax.Array, x_t: jax.Array, j, st: _Static) -> jax.Array:

@@ -7,12 +7,15 @@ rewritten sites both go through it.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable, Hashable, Mapping, Unpack
 
 import jax
 
-from hlotool.kernels.base import AttentionKernel, CallOptions, Features, KernelError, make_call
+from hlotool.kernels.base import (
+    AttentionKernel, CallOptions, Features, KernelError, Support, make_call,
+)
 from hlotool.kernels.chunked import Chunked
 from hlotool.kernels.dropout_tpu import DropoutTpu
 from hlotool.kernels.pallas_gpu import PallasGpuFlash
@@ -66,20 +69,61 @@ def available() -> list[str]:
     return [n for n, k in _KERNELS.items() if k.unavailable_reason is None]
 
 
-def select(
-    site: AttentionSite, platform: str, features: Features | None = None
-) -> tuple[AttentionKernel, str]:
-    """The first kernel in `platform`'s priority that takes `site`, and why it was chosen
-    (naming every kernel passed over and its reason)."""
-    order = PRIORITY.get(platform, PRIORITY["default"])
-    skipped = []
-    for name in order:
-        support = _KERNELS[name].supports(site, features)
+def registered(name: str) -> AttentionKernel:
+    """The registered kernel called `name`, available or not (no warning: its `supports`
+    says why where it is not)."""
+    try:
+        return _KERNELS[name]
+    except KeyError:
+        raise KernelError(f"no kernel named {name!r}; known: {', '.join(names())}") from None
+
+
+def order(platform: str) -> tuple[str, ...]:
+    """`platform`'s flash kernels, best first: its table without the naive reference."""
+    return tuple(n for n in PRIORITY.get(platform, PRIORITY["default"]) if n != "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A kernel of the table that does not take a site, and why."""
+
+    kernel: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.kernel}: {self.reason}"
+
+
+def first_taking(site: AttentionSite, platform: str, *, features: Features | None = None,
+                 kernel: str = "auto", check_vma: bool = False
+                 ) -> tuple[AttentionKernel | None, tuple[Refusal, ...]]:
+    """The first kernel of `platform`'s table (`order`; or only `kernel` when one is named)
+    that takes `site` with `features`, and each kernel tried before it with the reason it
+    refused. check_vma: the site is in a shard_map body with check_vma=True, where a kernel
+    must give its outputs jax's axis types."""
+    refusals = []
+    for name in ((kernel,) if kernel != "auto" else order(platform)):
+        k = registered(name)
+        if platform not in k.platforms:
+            refusals.append(Refusal(name, f"does not run on {platform}"))
+            continue
+        support = k.supports(site, features)
+        if support and check_vma and not k.typed_for_shard_map:
+            support = Support.no(
+                "gives its outputs no shard_map axis types, which jax requires in a shard_map "
+                "with check_vma=True (pass check_vma=False to that shard_map to run it there)")
         if support:
-            why = f"{name} for {platform}"
-            return _KERNELS[name], why + (f" ({'; '.join(skipped)})" if skipped else "")
-        skipped.append(f"{name} skipped: {support.reason}")
-    raise KernelError(f"no kernel takes this site on {platform}: {'; '.join(skipped)}")
+            return k, tuple(refusals)
+        refusals.append(Refusal(name, support.reason))
+    return None, tuple(refusals)
+
+
+def select(site: AttentionSite, platform: str, features: Features | None = None
+           ) -> AttentionKernel:
+    """The first kernel of `platform`'s table that takes `site` (the naive reference where
+    none does): what `attention(kernel="auto")` runs there."""
+    found, _ = first_taking(site, platform, features=features)
+    return found if found is not None else _KERNELS["reference"]
 
 
 # Platforms `per_platform` can give a branch of their own; every other one (CPU, ...) runs
@@ -112,7 +156,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kernel: str = "auto",
         return get(kernel)(q, k, v, **options)
     call = make_call(q, k, v, **options)
     site, features = call.site(), call.features
-    chosen = {p: select(site, p, features)[0].name for p in PLATFORMS}
+    chosen = {p: select(site, p, features).name for p in PLATFORMS}
     arrays = ("bias", "mask", "kv_lengths")
 
     def branch(name: str):

@@ -8,6 +8,9 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Keras (tests/test_train_steps.py) reads its backend once, at its first import.
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# Commands lay text out to $COLUMNS when it is set, and pytest-xdist's workers set it to 80;
+# tests read unwrapped output, and those about a width set their own.
+os.environ.pop("COLUMNS", None)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -6,10 +6,13 @@ from __future__ import annotations
 import collections
 import io
 import os
+import pathlib
+import shutil
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -37,11 +40,15 @@ attention_with_a_rather_long_descriptive_name(x, x, x)
 
 
 @pytest.fixture
-def model(tmp_path):
-    path = tmp_path / "a_directory_with_a_long_name" / "model.py"
+def model():
+    # A root of fixed length (pytest's tmp_path grows a worker's name under xdist): where
+    # the path wraps is part of what is checked.
+    root = tempfile.mkdtemp(prefix="hlotool-cli-", dir="/tmp")
+    path = pathlib.Path(root) / "a_directory_with_a_long_name" / "model.py"
     path.parent.mkdir()
     path.write_text(MODEL)
-    return str(path)
+    yield str(path)
+    shutil.rmtree(root)
 
 
 def run(*args: str, **env: str):
@@ -91,7 +98,7 @@ def test_inspect_fits_100_columns(model):
     assert "(left out to fit 100 columns: layout" in narrow.stdout
     assert "[2,64,4,16]" in narrow.stdout
     assert narrow.stdout.count(" attention_with_a_rather_long_descriptive_name ") == 2
-    assert re.search(r"\sa_directory_with_a_long_name/\s+\[2,64,4,16\]\n\s+model\.py:5\n",
+    assert re.search(r"\sa_directory_with_a_long_name/\s+\[2,64,4,16\]\n\s+model\.py:5\b",
                      narrow.stdout)
     assert "What XLA does natively (cpu, tpu-v5e):" in narrow.stdout
 

@@ -72,25 +72,26 @@ def test_table_and_plot(model, tmp_path):
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f"{ns}polyline")) == 2 * 2 * 2  # 2 panels x 2 chips x 2 sides
     texts = [t.text for t in root.iter(f"{ns}text")]
-    # At L=1024 x 64 the kernel wins from the sweep's first length on: no crossover is drawn.
-    assert [t for t in root.iter(f"{ns}text") if t.get("class") == "crossover"] == []
-    assert "cpu: native (solid), kernel (dashed); kernel faster at every L ≥ 128" in texts
+    # The legend is the verdict's: short sequences stay native, the kernel pays from 512.
+    assert [t.text for t in root.iter(f"{ns}text") if t.get("class") == "crossover"] == [
+        "L=512"] * 2
+    assert "cpu: native (solid), kernel (dashed); the kernel pays from L=512" in texts
     assert [t.text for t in root.iter(f"{ns}text") if t.get("class") == "own-length"] == [
         "this script: L=1024"] * 2
     # Tick labels in the units the tables use.
     assert "1.0 GiB" in texts and "10 ms" in texts
 
 
-def test_plot_marks_a_crossover_only_where_native_led():
+def test_plot_marks_a_crossover_only_where_the_verdict_turns():
     from hlotool.report.cost_plot import Series
 
-    lengths = (128, 256, 512)
-    crossing = Series("x", lengths, (1.0, 2.0, 4.0), (2.0, 1.5, 1.0), (1, 1, 1), (1, 1, 1))
-    assert crossing.crossover == 256 and crossing.outcome == "kernel faster from L=256"
-    ahead = Series("x", lengths, (2.0, 2.0, 2.0), (1.0, 1.0, 1.0), (1, 1, 1), (1, 1, 1))
-    assert ahead.crossover is None and ahead.outcome == "kernel faster at every L ≥ 128"
-    behind = Series("x", lengths, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0), (1, 1, 1), (1, 1, 1))
-    assert behind.crossover is None and behind.outcome == "native faster at every L ≤ 512"
+    lengths, ones = (128, 256, 512), (1, 1, 1)
+    crossing = Series("x", lengths, ones, ones, ones, ones, (False, True, True))
+    assert crossing.crossover == 256 and crossing.outcome == "the kernel pays from L=256"
+    ahead = Series("x", lengths, ones, ones, ones, ones, (True, True, True))
+    assert ahead.crossover is None and ahead.outcome == "the kernel pays at every L ≥ 128"
+    behind = Series("x", lengths, ones, ones, ones, ones, (False, False, False))
+    assert behind.crossover is None and behind.outcome == "keep native at every L ≤ 512"
 
 
 TWO_SHAPES = textwrap.dedent("""\
@@ -174,9 +175,11 @@ def test_tpu_fusion_is_read_from_the_scripts_own_program(tmp_path, text, fused):
     assert result.exit_code == 0, result.output
     (entry,) = json.loads(result.stdout)["sites"]
     tpu, cpu = entry["targets"]["tpu-v5e"], entry["targets"]["cpu"]
-    assert tpu["native_fused_from"] == "the compiled program"
-    assert tpu["verdict"]["native_fused"] is fused
-    assert ("XLA already fuses it" in tpu["verdict"]["reason"]) is fused
+    # The verdict prices the single-site probe every command asks; the script's own
+    # program, compiled for the target, says the same here.
+    assert tpu["native_fused_from"] == "a single-site probe"
+    assert tpu["verdict"]["native_fused"] is fused and tpu["native_fused_in_program"] is fused
+    assert ("XLA:TPU's own online-softmax fusion" in tpu["verdict"]["reason"]) is fused
     # XLA:CPU never fuses attention: known without compiling anything.
     assert cpu["verdict"]["native_fused"] is False
     assert cpu["native_fused_from"] == "XLA:CPU has no attention fusion"

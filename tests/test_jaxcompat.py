@@ -256,12 +256,12 @@ def test_tokamax_is_preferred_on_tpu_where_it_takes_the_site(tokamax_preferred):
 
     site = AttentionSite(batch=1, q_len=1024, kv_len=1024, num_q_heads=8, num_kv_heads=2,
                          head_dim=128, v_head_dim=128, dtype="bfloat16", scale=0.1)
-    assert kernels.select(site, "tpu")[0].name == "tokamax_tpu"
-    kernel, why = kernels.select(site, "tpu", Features(bias=True))
+    assert kernels.select(site, "tpu").name == "tokamax_tpu"
+    kernel, refusals = kernels.first_taking(site, "tpu", features=Features(bias=True))
     assert kernel.name == "pallas_tpu"
-    assert why == ("pallas_tpu for tpu (tokamax_tpu skipped: additive bias unsupported "
-                   "(tokamax mosaic_tpu takes none); splash_tpu skipped: additive bias "
-                   "unsupported (splash takes none; pallas_tpu does))")
+    assert [str(r) for r in refusals] == [
+        "tokamax_tpu: additive bias unsupported (tokamax mosaic_tpu takes none)",
+        "splash_tpu: additive bias unsupported (splash takes none; pallas_tpu does)"]
 
 
 @needs_tokamax

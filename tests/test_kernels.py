@@ -216,34 +216,29 @@ def test_registry_lists_and_selects():
                                "chunked", "reference", "tokamax_tpu", "tokamax_gpu"]
     assert kernels.available() == ["splash_tpu", "pallas_tpu", "dropout_tpu", "pallas_gpu",
                                    "chunked", "reference"] + (["tokamax_tpu"] if tokamax_installed() else [])
-    k, why = kernels.select(site(), "tpu")
-    assert (k.name, why) == ("splash_tpu", "splash_tpu for tpu")
-    k, why = kernels.select(site(mask="additive"), "tpu")
-    assert (k.name, why) == ("pallas_tpu", "pallas_tpu for tpu (splash_tpu skipped: additive "
-                                           "bias unsupported (splash takes none; pallas_tpu "
-                                           "does))")
-    k, why = kernels.select(site(softcap=30.0), "tpu")
-    assert (k.name, why) == ("splash_tpu", "splash_tpu for tpu")
-    k, why = kernels.select(site(post_mask=True), "tpu")
-    assert (k.name, why) == ("dropout_tpu", "dropout_tpu for tpu (splash_tpu skipped: a mask "
-                                            "applied after the softmax unsupported (splash_tpu "
-                                            "has none); pallas_tpu skipped: a mask applied "
-                                            "after the softmax unsupported (pallas_tpu has "
-                                            "none))")
-    k, why = kernels.select(site(dropout=True, mask="causal"), "tpu")
-    assert (k.name, why) == ("dropout_tpu", "dropout_tpu for tpu (splash_tpu skipped: dropout "
-                                            "on the probabilities unsupported (splash_tpu has "
-                                            "none); pallas_tpu skipped: dropout on the "
-                                            "probabilities unsupported (pallas_tpu has none))")
+    def taking(site_, platform):
+        k, refusals = kernels.first_taking(site_, platform)
+        return k.name, [str(r) for r in refusals]
+
+    assert taking(site(), "tpu") == ("splash_tpu", [])
+    assert taking(site(mask="additive"), "tpu") == ("pallas_tpu", [
+        "splash_tpu: additive bias unsupported (splash takes none; pallas_tpu does)"])
+    assert taking(site(softcap=30.0), "tpu") == ("splash_tpu", [])
+    assert taking(site(post_mask=True), "tpu") == ("dropout_tpu", [
+        "splash_tpu: a mask applied after the softmax unsupported (splash_tpu has none)",
+        "pallas_tpu: a mask applied after the softmax unsupported (pallas_tpu has none)"])
+    assert taking(site(dropout=True, mask="causal"), "tpu") == ("dropout_tpu", [
+        "splash_tpu: dropout on the probabilities unsupported (splash_tpu has none)",
+        "pallas_tpu: dropout on the probabilities unsupported (pallas_tpu has none)"])
     assert not kernels.get("dropout_tpu").supports(site())
-    k, _ = kernels.select(site(dropout=True, mask="additive"), "tpu")
-    assert k.name == "chunked"
-    k, why = kernels.select(site(), "cpu")
-    assert k.name == "chunked"
-    k, why = kernels.select(site(mask="additive"), "cuda")
-    assert k.name == "chunked"
-    assert why == ("chunked for cuda (pallas_gpu skipped: additive bias unsupported (upstream "
-                   "mha takes only causal and one segment-id array shared by queries and keys))")
+    assert taking(site(dropout=True, mask="additive"), "tpu")[0] == "chunked"
+    assert taking(site(), "cpu") == ("chunked", [])
+    assert taking(site(mask="additive"), "cuda") == ("chunked", [
+        "pallas_gpu: additive bias unsupported (upstream mha takes only causal and one "
+        "segment-id array shared by queries and keys)"])
+    # A kernel named on a platform it does not run on is refused, not run.
+    assert kernels.first_taking(site(), "cpu", kernel="pallas_tpu")[0] is None
+    assert kernels.select(site(), "cpu").name == "chunked"  # what attention(kernel="auto") runs
 
 
 @pytest.fixture
@@ -261,11 +256,12 @@ def test_missing_upstream_reports_unavailable_and_falls_back(tpu_upstream_missin
     assert tpu.unavailable_reason.startswith(f"{JAX}: cannot import {TPU_UPSTREAM}")
     assert "pallas_tpu" not in kernels.available()
     assert "splash_tpu" not in kernels.available()
-    k, why = kernels.select(site(), "tpu")
+    k, refusals = kernels.first_taking(site(), "tpu")
     assert k.name == "chunked"
-    assert why.startswith(f"chunked for tpu (splash_tpu skipped: splash_tpu unavailable: "
-                          f"{JAX}: cannot import {SPLASH_UPSTREAM}")
-    assert f"; pallas_tpu skipped: pallas_tpu unavailable: {JAX}: cannot import" in why
+    assert [r.kernel for r in refusals] == ["splash_tpu", "pallas_tpu", "dropout_tpu"]
+    assert refusals[0].reason.startswith(f"splash_tpu unavailable: {JAX}: cannot import "
+                                         f"{SPLASH_UPSTREAM}")
+    assert refusals[1].reason.startswith(f"pallas_tpu unavailable: {JAX}: cannot import")
     x = sds(1, 256, 2, 64)
     f = jax.jit(lambda q, k, v: kernels.attention(q, k, v, scale=0.125, causal=True))
     assert "tpu_custom_call" not in export.export(f, platforms=["tpu"])(x, x, x).mlir_module()

@@ -161,7 +161,7 @@ def test_the_rewritten_programs_ops_carry_their_site(tmp_path):
 
 
 def test_tracing_refuses_a_process_that_loaded_libtpu(monkeypatch, tmp_path):
-    monkeypatch.setattr(trace, "libtpu_loaded", lambda: True)
+    monkeypatch.setattr(trace, "tpu_compiler_loaded", lambda: True)
     with pytest.raises(trace.ProfilerUnsafe, match=r"^jax.profiler crashes in a process that "
                        r"loaded libtpu .*`hlotool profile SCRIPT`$"):
         trace.traced_run(lambda: None, [], str(tmp_path))

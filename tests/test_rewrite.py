@@ -250,7 +250,8 @@ def test_native_on_cpu_kernel_elsewhere():
     (site,) = hlotool.explain(wide, q, k, v).sites
     assert site.kernels == {"cpu": None, "tpu": "splash_tpu", "cuda": None}
     assert re.search(r"cpu: keep native \(roofline ×1\.[01]\d is below ×1\.2\)", site.reason)
-    assert "fusion not checked off-TPU (run `hlotool cost SCRIPT --target tpu-v5e`)" in site.reason
+    # XLA:TPU's own attention pass was asked (a deviceless compile): it leaves this site.
+    assert site.choices["tpu"].verdict.native_fused is False
     # CPU and GPU share platform_dependent's default branch: one naive copy, not two.
     fast = hlotool.flash_jit(wide)
     assert remaining_sites(fast, q, k, v) == 1
@@ -259,12 +260,24 @@ def test_native_on_cpu_kernel_elsewhere():
     assert exported.mlir_module().count("stablehlo.custom_call @tpu_custom_call") == 1
 
 
-def test_fusion_probe_runs_only_for_the_running_platform(monkeypatch):
+def test_native_is_priced_as_what_xla_makes_of_the_site(monkeypatch):
+    """Every command prices native as the compiler runs it: the fusion probe (a deviceless
+    compile per site shape) is asked for each platform's chip, once a site is long enough
+    to be priced at all; where XLA fuses the site, the kernel must beat XLA's own call."""
     probed = []
-    monkeypatch.setattr("hlotool.cost.decision.xla_fuses_natively",
-                        lambda site, target: probed.append(target) or False)
-    hlotool.explain(causal, Q, K, V)
-    assert probed == ["cpu"]  # this process runs on the CPU: no deviceless TPU compile
+
+    def probe(site, target):
+        probed.append(target)
+        return target is not None and target.startswith("tpu")
+
+    monkeypatch.setattr("hlotool.cost.decision.xla_fuses_natively", probe)
+    q = Q[:, :256]
+    hlotool.explain(lambda q, k, v: attend(q, k, v), q, q, q)
+    assert probed == []  # a short site is kept native before any probe
+    (site,) = hlotool.explain(causal, Q, K, V).sites
+    assert "tpu-v5e" in probed  # off-TPU too: the same answer in every command
+    tpu = site.choices["tpu"].verdict
+    assert tpu.native_fused and "XLA:TPU's own online-softmax fusion" in tpu.reason
 
 
 def test_attached_chip_is_priced(monkeypatch):
@@ -296,7 +309,7 @@ def test_forced_kernel_and_errors():
     assert hlotool.explain(causal, Q, K, V, kernel="chunked").sites[0].kernels == {
         "cpu": "chunked", "tpu": "chunked", "cuda": "chunked"}
     report = hlotool.explain(causal, Q, K, V, kernel="pallas_tpu").sites[0]
-    assert report.kernels["cpu"] is None and "pallas_tpu does not run on cpu" in report.reason
+    assert report.kernels["cpu"] is None and "pallas_tpu: does not run on cpu" in report.reason
     with pytest.raises(HlotoolError, match="no kernel named 'flash9'"):
         hlotool.flash_jit(causal, kernel="flash9")
 

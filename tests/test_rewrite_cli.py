@@ -51,7 +51,7 @@ def test_rewrite_prints_each_site_decision(tmp_path):
     assert lines[1].startswith("  [0] ") and lines[1].endswith(
         "model.py:6 (top level) q[512, 16] k[512, 16] float32 mask=none")  # the user's line
     assert [line.split(" — ")[0] for line in lines[2:5]] == [
-        "      cpu: chunked", "      tpu: splash_tpu", "      cuda: pallas_gpu"]
+        "      cpu: chunked", "      tpu (tpu-v5e): splash_tpu", "      cuda (h100): pallas_gpu"]
     assert lines[2].endswith(" — kernel pays (×33.0 less HBM traffic, roofline ×15.9 faster)")
     assert lines[5] == "probs_too: 1 site, 0 rewritten"
     assert lines[7].startswith("      cpu, tpu, cuda: native — intermediate values of the "
@@ -66,7 +66,7 @@ def test_rewrite_json_short_keys_stay_native(tmp_path):
     (site,) = function["sites"]
     assert (doc["version"], function["function"], site["rewritten"]) == (1, "attention", False)
     assert site["kernels"] == {"cpu": None, "tpu": None, "cuda": None}
-    assert site["reason"].startswith("cpu: keep native (short sequence: Lq=64, Lk=64;")
+    assert site["reason"].startswith("cpu, cuda (h100): keep native (short sequence: Lq=64, Lk=64;")
     assert site["site"]["kv_len"] == 64
 
 
@@ -133,7 +133,7 @@ def test_rewrite_says_a_shared_reason_once_and_prices_memory_where_auto_keeps_na
     lines = result.stdout.splitlines()
     # cpu and cuda keep it native for one reason (cuda priced on an h100): said once.
     (shared,) = [line for line in lines if line.startswith("      cpu")]
-    assert shared.startswith("      cpu, cuda (h100): native (short sequence: Lq=64, Lk=64;")
+    assert shared.startswith("      cpu, cuda (h100): keep native (short sequence: Lq=64, Lk=64;")
     assert result.stdout.count("short sequence") < 3
     # The memory table compares native with the kernel the CPU would run if it paid.
     assert "Memory, native → rewritten (XLA memory_analysis; cpu)" in result.stdout

@@ -135,11 +135,13 @@ def test_a_data_parallel_train_step_rewrites_each_site_in_the_shard_map_body(axi
     if axis_type == "Explicit":
         return
     # Upstream's TPU kernels type their outputs without the body's mesh axes: under
-    # check_vma they stay native with that reason; without it, three kernels per site
-    # (forward, dq, dk/dv) run in the body.
+    # check_vma the table passes over them, saying so, to the chunked kernel; without it,
+    # three kernels per site (forward, dq, dk/dv) run in the body.
     tpu = [s.kernels["tpu"] for s in report.sites]
     if check_vma:
-        assert tpu == [None, None], str(report)
+        assert tpu == ["chunked", "chunked"], str(report)
+        assert [r.kernel for r in report.sites[0].choices["tpu"].refusals][:2] == [
+            "splash_tpu", "pallas_tpu"]
         assert all("check_vma=False" in s.reason for s in report.sites)
         assert tpu_custom_calls(step, params, tokens) == 0
     else:

@@ -3,7 +3,9 @@ with a reason, or its rewrite keeps outputs and gradients within the dtype's tol
 
 CI runs a fixed sequence of 200 examples (compiled at XLA's optimization level 0, which halves
 the compile time of the chunked kernel's loops); `benchmarks/soundness_fuzz.py --examples N`
-runs many more at the default level and prints the table per feature.
+runs many more at the default level and prints the table per feature. The generated runs are
+marked slow: the README's test command leaves them to CI (`pytest -m slow`); the programs they
+found, below, run everywhere.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from soundness_programs import Program, Step
 OUTCOMES: collections.Counter = collections.Counter()
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(soundness_programs.programs())
@@ -32,6 +35,7 @@ def test_generated_programs_are_rewritten_exactly_or_left_native(program):
 TRAIN_OUTCOMES: collections.Counter = collections.Counter()
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(soundness_programs.programs())
@@ -44,6 +48,7 @@ def test_generated_train_steps_are_rewritten_exactly_or_left_native(program):
     assert outcome != "wrong", f"{detail}: {program}"
 
 
+@pytest.mark.slow
 def test_the_generated_train_steps_exercise_rewrites():
     if not TRAIN_OUTCOMES:
         test_generated_train_steps_are_rewritten_exactly_or_left_native()
@@ -53,6 +58,7 @@ def test_the_generated_train_steps_exercise_rewrites():
 CHECKPOINT_OUTCOMES: collections.Counter = collections.Counter()
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(soundness_programs.programs())
@@ -68,6 +74,7 @@ def test_generated_checkpointed_train_steps_are_rewritten_exactly_or_left_native
     assert outcome != "wrong", f"{detail}: {program}"
 
 
+@pytest.mark.slow
 def test_the_generated_checkpointed_train_steps_exercise_recomputes():
     if not CHECKPOINT_OUTCOMES:
         test_generated_checkpointed_train_steps_are_rewritten_exactly_or_left_native()
@@ -77,6 +84,7 @@ def test_the_generated_checkpointed_train_steps_exercise_recomputes():
 LAYER_OUTCOMES: collections.Counter = collections.Counter()
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(soundness_programs.programs())
@@ -91,6 +99,7 @@ def test_generated_train_steps_of_scanned_layers_are_rewritten_exactly_or_left_n
     assert outcome != "wrong", f"{detail}: {program}"
 
 
+@pytest.mark.slow
 def test_the_generated_scanned_layers_exercise_recomputes():
     if not LAYER_OUTCOMES:
         test_generated_train_steps_of_scanned_layers_are_rewritten_exactly_or_left_native()
@@ -100,6 +109,7 @@ def test_the_generated_scanned_layers_exercise_recomputes():
 SHARDED_OUTCOMES: collections.Counter = collections.Counter()
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(soundness_programs.programs())
@@ -116,6 +126,7 @@ def test_generated_data_parallel_train_steps_are_rewritten_exactly_or_left_nativ
 SHARDED_CHECKPOINT_OUTCOMES: collections.Counter = collections.Counter()
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(soundness_programs.programs())
@@ -129,6 +140,7 @@ def test_generated_checkpointed_data_parallel_train_steps_are_exact_or_native(pr
     assert outcome != "wrong", f"{detail}: {program}"
 
 
+@pytest.mark.slow
 def test_the_generated_checkpointed_data_parallel_train_steps_exercise_recomputes():
     if not SHARDED_CHECKPOINT_OUTCOMES:
         test_generated_checkpointed_data_parallel_train_steps_are_exact_or_native()
@@ -136,12 +148,14 @@ def test_the_generated_checkpointed_data_parallel_train_steps_exercise_recompute
     assert SHARDED_CHECKPOINT_OUTCOMES["recomputed"] >= 2, SHARDED_CHECKPOINT_OUTCOMES
 
 
+@pytest.mark.slow
 def test_the_generated_data_parallel_train_steps_exercise_rewrites():
     if not SHARDED_OUTCOMES:
         test_generated_data_parallel_train_steps_are_rewritten_exactly_or_left_native()
     assert SHARDED_OUTCOMES["rewritten"] >= 5, SHARDED_OUTCOMES  # 7 of 40 on jax 0.10.2
 
 
+@pytest.mark.slow
 def test_the_generated_programs_exercise_rewrites():
     """Guards the property test above against a grammar that stopped producing attention:
     the fixed sequence must rewrite a good share of its programs."""

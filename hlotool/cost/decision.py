@@ -1,8 +1,9 @@
-"""Does the flash kernel pay for a site on a chip? One decision, with its reason and figures;
-and the policy built on it: which kernel runs a site on each platform.
+"""Which kernel runs a site on a platform: one decision, `choose`, and the verdict it rests on.
 
-`hlotool cost` prints `verdict(site, target)`; `flash_jit(kernel="auto")` asks `decide(site,
-platform)`, which prices the platform's chip (`chip_for`) with that same verdict.
+`choose(site, platform)` walks the platform's table of kernels in order (`kernels.first_taking`),
+keeps each refusal with its reason, and prices the first kernel that takes the site against
+what XLA does natively on the platform's chip (`verdict`). `flash_jit`, `explain`, `cost`,
+`rewrite`, `diff`, `profile` and the cost plot all read that one `Choice`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from typing import Any
 
 import jax
 
-from hlotool.cost.model import Figures, analytic, kernel_choice, kernel_for
+from hlotool.cost.model import Figures, analytic
 from hlotool.cost.xla import xla_fuses_natively
+from hlotool.errors import DoesNotFit, HlotoolError, first_line
 from hlotool.hardware import Hardware, get_hardware
 from hlotool import jaxcompat, kernels
-from hlotool.kernels import KernelError
+from hlotool.kernels import AttentionKernel, Refusal
 from hlotool.site import AttentionSite
+from hlotool.targets import tpu_compiler_loaded
 from hlotool.units import format_bytes
 
 # Roofline speedup below which a custom call is not worth its opacity (profilers, updates).
@@ -35,9 +38,11 @@ SHORT_SCORES = 512 * 512
 class Verdict:
     """Whether the kernel pays for one site on one chip, and why in one line.
 
-    native/kernel: the analytic figures (kernel None when no flash kernel takes the site).
-    speedup: native roofline time / kernel's; hbm_ratio: native HBM bytes / kernel's.
-    native_fused: whether XLA already fuses the naive formula there (None: not checked).
+    native/kernel: the analytic figures (kernel None when no flash kernel takes the site);
+    native is XLA's own online-softmax call where XLA:TPU's attention pass takes the site
+    (`native_fused`), else the unfused program. speedup: native roofline time / kernel's;
+    hbm_ratio: native HBM bytes / kernel's. native_fused: whether XLA fuses the naive formula
+    there (None: not known). refusals: the kernels of the table passed over, each with why.
     """
 
     pays: bool
@@ -49,6 +54,7 @@ class Verdict:
     speedup: float | None
     hbm_ratio: float | None
     native_fused: bool | None
+    refusals: tuple[Refusal, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,6 +67,7 @@ class Verdict:
             "speedup": self.speedup,
             "hbm_ratio": self.hbm_ratio,
             "native_fused": self.native_fused,
+            "refusals": [dataclasses.asdict(r) for r in self.refusals],
         }
 
 
@@ -68,49 +75,78 @@ def verdict(
     site: AttentionSite,
     chip: str | Hardware,
     *,
+    kernel: AttentionKernel | None = None,
+    refusals: tuple[Refusal, ...] = (),
     backward: bool = False,
     native_fused: bool | None = None,
     check_fusion: bool = True,
 ) -> Verdict:
     """The decision for `site` on `chip` (a name in `hlotool.hardware.HARDWARE`; "target"
-    only for what XLA compiles for, `hlotool.targets`).
+    only for what XLA compiles for, `hlotool.targets`), pricing `kernel` (default: the first
+    of the chip's platform's table that takes the site) against what XLA does natively.
 
     native_fused: what the caller saw in the compiled program (an online-softmax custom call
     at this site); when None and `check_fusion`, a TPU chip with a deviceless compile target
-    is asked by compiling the naive formula for the site's shapes.
+    is asked by compiling the naive formula for the site's shapes (once per shape).
     """
     hw = get_hardware(chip)
+    if kernel is None and not refusals:
+        kernel, refusals = kernels.first_taking(site, hw.platform)
     native = analytic(site, hw, "native", backward=backward)
-    try:
-        kernel = kernel_for(site, hw)
-    except KernelError as e:
-        return Verdict(False, f"keep native ({e})", hw.name, None, native, None, None, None,
-                       native_fused)
-    flash = analytic(site, hw, "kernel", backward=backward)
-    speedup = native.seconds / flash.seconds
-    hbm_ratio = native.hbm_bytes / flash.hbm_bytes
-    if native_fused is None and check_fusion:
-        native_fused = xla_fuses_natively(site, hw.compile_target)
+    if kernel is None:
+        why = "; ".join(map(str, refusals)) or f"no kernel runs on {hw.platform}"
+        return Verdict(False, f"keep native (no flash kernel takes it: {why})", hw.name, None,
+                       native, None, None, None, native_fused, refusals)
+    flash = analytic(site, hw, "kernel", backward=backward, kernel=kernel)
 
-    def conclude(pays: bool, reason: str) -> Verdict:
-        return Verdict(pays, reason, hw.name, kernel.name, native, flash, speedup, hbm_ratio,
-                       native_fused)
+    def conclude(pays: bool, reason: str, native: Figures = native,
+                 fused: bool | None = native_fused) -> Verdict:
+        return Verdict(pays, reason, hw.name, kernel.name, native, flash,
+                       native.seconds / flash.seconds, native.hbm_bytes / flash.hbm_bytes,
+                       fused, refusals)
 
-    if native_fused:
-        return conclude(False, "keep native (XLA already fuses it on this target: its own "
-                               "online-softmax kernel never materializes the scores)")
     if native.temp_bytes > hw.hbm_bytes:
         return conclude(True, f"kernel pays (native needs {format_bytes(native.temp_bytes)} of "
                               f"temporaries, more than the {format_bytes(hw.hbm_bytes)} HBM)")
     if site.q_len * site.kv_len < SHORT_SCORES:
+        speedup = native.seconds / flash.seconds
         return conclude(False, f"keep native (short sequence: Lq={site.q_len}, "
                                f"Lk={site.kv_len}; a {site.q_len}x{site.kv_len} score tile per "
                                "head is kernel-launch and grid overhead, which the roofline "
                                f"×{speedup:.1f} ignores)")
+    unchecked = ""
+    if native_fused is None and check_fusion:
+        native_fused, why = _fuses(site, hw)
+        if why:
+            unchecked = f"; XLA:TPU's own attention fusion not checked: {why}"
+    if native_fused:
+        # Priced against XLA's own online-softmax call, not the unfused program.
+        native = analytic(site, hw, "fused", backward=backward)
+    speedup, hbm_ratio = native.seconds / flash.seconds, native.hbm_bytes / flash.hbm_bytes
+    own = f"XLA:{hw.platform.upper()}'s own online-softmax fusion" if native_fused else ""
     if speedup >= MIN_SPEEDUP:
+        than = f" than {own}" if own else ""
         return conclude(True, f"kernel pays (×{hbm_ratio:.1f} less HBM traffic, roofline "
-                              f"×{speedup:.1f} faster)")
-    return conclude(False, f"keep native ({_why_not(site, hw, speedup)})")
+                              f"×{speedup:.1f} faster{than}{unchecked})", native, native_fused)
+    if own:
+        return conclude(False, f"keep native ({own} is as good: roofline ×{speedup:.2f})",
+                        native, native_fused)
+    return conclude(False, f"keep native ({_why_not(site, hw, speedup)}{unchecked})", native,
+                    native_fused)
+
+
+def _fuses(site: AttentionSite, hw: Hardware) -> tuple[bool | None, str]:
+    """Whether XLA's attention pass takes `site` on `hw` (a deviceless compile, cached per
+    shape), and why it is not known where it is not (no compiler for the chip here)."""
+    if hw.platform == "tpu" and hw.compile_target is not None and not tpu_compiler_loaded():
+        return None, ("no TPU compiler loaded in this process (hlotool's commands load one: "
+                      "`hlotool cost SCRIPT` checks)")
+    try:
+        return xla_fuses_natively(site, hw.compile_target), ""
+    except DoesNotFit:
+        return False, ""  # a program that does not fit has no fusion to offer
+    except HlotoolError as e:
+        return None, first_line(e)
 
 
 def _why_not(site: AttentionSite, hw: Hardware, speedup: float) -> str:
@@ -145,10 +181,34 @@ _DEVICE_KINDS = {
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """What runs a site on one platform: a kernel name, or None for XLA's native path."""
+    """What runs a site on one platform, and everything that decided it: the kernel (None:
+    XLA's native path), why in one line, the kernels of the table that refused the site,
+    each with its reason, and the verdict that priced the first that took it (None where a
+    kernel was named, or none took it). Every command reads these records; none parses the
+    reason back."""
 
+    platform: str
     kernel: str | None
     reason: str
+    refusals: tuple[Refusal, ...] = ()
+    verdict: Verdict | None = None
+
+    @property
+    def priced(self) -> str | None:
+        """The kernel the platform would run if it paid (the one the verdict priced)."""
+        if self.kernel is not None:
+            return self.kernel
+        return self.verdict.kernel_name if self.verdict is not None else None
+
+    @property
+    def chip(self) -> str | None:
+        """The chip the platform was priced on ("tpu-v5e" for tpu), where it was."""
+        return self.verdict.target if self.verdict is not None else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"platform": self.platform, "kernel": self.kernel, "reason": self.reason,
+                "refusals": [dataclasses.asdict(r) for r in self.refusals],
+                "verdict": None if self.verdict is None else self.verdict.to_json()}
 
 
 def running_platform() -> str:
@@ -169,30 +229,24 @@ def chip_for(platform: str) -> str:
     return DEFAULT_CHIP[platform]
 
 
-def decide(site: AttentionSite, platform: str, kernel: str = "auto") -> Choice:
-    """The single policy deciding whether a kernel runs `site` on `platform`.
+def choose(site: AttentionSite, platform: str, kernel: str = "auto", *,
+           features: Any = None, check_vma: bool = False, backward: bool = False,
+           chip: str | None = None, native_fused: bool | None = None,
+           check_fusion: bool = True) -> Choice:
+    """The one decision: which kernel runs `site` on `platform`.
 
-    `kernel="auto"`: the cost model's verdict for the platform's chip (`chip_for`); the
-    kernel it prices runs the site where it pays. XLA:TPU's own attention fusion is probed (a
-    deviceless compile, seconds per new shape) only for the platform this process runs on;
-    elsewhere the reason says it was not checked. A kernel name: that kernel where it runs
-    and supports the site.
-    """
+    The platform's table of kernels is tried in order (`kernels.first_taking`), each refusal
+    kept;
+    with `kernel="auto"` the first that takes the site is priced against XLA's native path
+    on the platform's chip (`chip_for`, or `chip`) and runs where it pays. A kernel name:
+    that kernel, where it runs and takes the site. backward: price forward and backward (the
+    site's derivative is in the program: a train step)."""
+    found, refusals = kernels.first_taking(site, platform, features=features, kernel=kernel,
+                                   check_vma=check_vma)
     if kernel != "auto":
-        chosen = kernels.get(kernel)
-        if platform not in chosen.platforms:
-            return Choice(None, f"{kernel} does not run on {platform}")
-        support = chosen.supports(site)
-        return Choice(kernel, f"{kernel} requested") if support else Choice(None, support.reason)
-    hw = get_hardware(chip_for(platform))
-    checked = platform == running_platform()
-    v = verdict(site, hw, check_fusion=checked)
-    reason = v.reason if hw.name == platform else f"{v.reason} on {hw.name}"
-    if v.pays and not checked and hw.platform == "tpu" and hw.compile_target is not None:
-        reason += (f", XLA:TPU's own fusion not checked off-TPU (run "
-                   f"`hlotool cost SCRIPT --target {hw.name}`)")
-    if v.pays and v.kernel_name is not None:
-        _, why = kernel_choice(site, hw)
-        if "skipped" in why:  # the kernels passed over, each with its reason
-            reason += f"; {why}"
-    return Choice(v.kernel_name if v.pays else None, reason)
+        if found is None:
+            return Choice(platform, None, str(refusals[-1]), refusals)
+        return Choice(platform, kernel, f"{kernel} requested", refusals)
+    v = verdict(site, chip or chip_for(platform), kernel=found, refusals=refusals,
+                backward=backward, native_fused=native_fused, check_fusion=check_fusion)
+    return Choice(platform, v.kernel_name if v.pays else None, v.reason, refusals, v)

@@ -22,11 +22,13 @@ import numpy as np
 
 from hlotool.errors import HlotoolError
 from hlotool.hardware import Hardware, get_hardware
-from hlotool.kernels import AttentionKernel, KernelCost, KernelError, select
+from hlotool.kernels import AttentionKernel, KernelCost, KernelError, first_taking
 from hlotool.kernels.base import naive_cost
 from hlotool.site import AttentionSite
 
-Side = Literal["native", "kernel"]
+# "fused": the naive formula as XLA:TPU runs it where its own attention pass takes the site
+# (one online-softmax call: no [B, H, Lq, Lk] buffer, every score computed).
+Side = Literal["native", "fused", "kernel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,22 +112,15 @@ def mask_operand_bytes(site: AttentionSite) -> int:
     return int(np.prod(shape)) * (4 if site.mask == "additive" else 1)
 
 
-def kernel_choice(site: AttentionSite, hardware: Hardware) -> tuple[AttentionKernel, str]:
-    """The flash kernel the registry runs `site` with on `hardware`'s platform, and why
-    (naming every kernel passed over).
-
-    Raises KernelError (naming why) when no flash kernel takes the site there.
-    """
-    platform = hardware.platform if hardware.platform in ("tpu", "cuda") else "default"
-    kernel, why = select(site, platform)
-    if kernel.name == "reference":
-        raise KernelError(f"no flash kernel takes this site on {hardware.name}: {why}")
-    return kernel, why
-
-
 def kernel_for(site: AttentionSite, hardware: Hardware) -> AttentionKernel:
-    """`kernel_choice`'s kernel."""
-    return kernel_choice(site, hardware)[0]
+    """The flash kernel `hardware`'s platform runs `site` with: the first of its table that
+    takes it (`kernels.first_taking`). Raises KernelError, naming each refusal, when none
+    does."""
+    kernel, refusals = first_taking(site, hardware.platform)
+    if kernel is None:
+        raise KernelError(f"no flash kernel takes this site on {hardware.name}: "
+                          + "; ".join(map(str, refusals)))
+    return kernel
 
 
 def _matmul_rate(site: AttentionSite, hardware: Hardware) -> float:
@@ -150,11 +145,16 @@ def kernel_temp_bytes(site: AttentionSite, *, backward: bool = False) -> int:
 
 
 def analytic(
-    site: AttentionSite, hardware: str | Hardware, side: Side, *, backward: bool = False
+    site: AttentionSite, hardware: str | Hardware, side: Side, *, backward: bool = False,
+    kernel: AttentionKernel | None = None,
 ) -> Figures:
-    """`side`'s analytic figures for `site` on `hardware` (forward, or forward + backward)."""
+    """`side`'s analytic figures for `site` on `hardware` (forward, or forward + backward).
+    kernel: the flash kernel priced for side "kernel" (default: the registry's first that
+    takes the site on the chip's platform)."""
     hw = get_hardware(hardware)
     rate = _matmul_rate(site, hw)
+    if side == "fused":
+        return _fused(site, hw, rate, backward)
     if side == "native":
         cost = naive_cost(site, backward=backward)
         phases = native_phases(site, backward=backward)
@@ -167,13 +167,35 @@ def analytic(
         return Figures(cost.flops, cost.transcendentals, sum(p.hbm_bytes for p in phases),
                        native_temp_bytes(site, backward=backward), 0, seconds, bound)
     if side == "kernel":
-        cost: KernelCost = kernel_for(site, hw).cost(site, backward=backward, hardware=hw)
+        kernel = kernel or kernel_for(site, hw)
+        cost: KernelCost = kernel.cost(site, backward=backward, hardware=hw)
         mm = _kernel_matmul_flops(site, cost, backward)
         c, m = mm / rate, cost.hbm_bytes / hw.hbm_bandwidth
         return Figures(cost.flops, cost.transcendentals, cost.hbm_bytes,
                        kernel_temp_bytes(site, backward=backward), cost.onchip_bytes,
                        max(c, m), "compute" if c >= m else "memory")
     raise HlotoolError(f"side must be 'native' or 'kernel', got {side!r}")
+
+
+def _fused(site: AttentionSite, hw: Hardware, rate: float, backward: bool) -> Figures:
+    """XLA:TPU's online-softmax call for the forward: one op reading q, k, v (and a mask
+    operand) and writing the output, computing every score (it skips no masked block); the
+    backward, which that pass leaves alone, as the unfused program's phases."""
+    cost = naive_cost(site, backward=backward)
+    _, q, k, v, o = _shape_terms(site)
+    forward = native_phases(site)
+    fwd_bytes = q + k + v + o + mask_operand_bytes(site)
+    fwd_mm = sum(p.matmul_flops for p in forward)
+    seconds = max(fwd_mm / rate, fwd_bytes / hw.hbm_bandwidth)
+    compute = fwd_mm / rate >= fwd_bytes / hw.hbm_bandwidth
+    hbm = fwd_bytes
+    for ph in native_phases(site, backward=True)[len(forward):] if backward else ():
+        c, m = ph.matmul_flops / rate, ph.hbm_bytes / hw.hbm_bandwidth
+        seconds += max(c, m)
+        hbm += ph.hbm_bytes
+    temp = native_temp_bytes(site, backward=True) if backward else kernel_temp_bytes(site)
+    return Figures(cost.flops, cost.transcendentals, hbm, temp, 0, seconds,
+                   "compute" if compute else "memory")
 
 
 def fit_bandwidth(site: AttentionSite, hardware: str | Hardware, seconds: float) -> float:

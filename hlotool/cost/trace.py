@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hlotool.errors import HlotoolError
+from hlotool.targets import tpu_compiler_loaded
 
 
 class TraceUnreadable(HlotoolError):
@@ -53,15 +54,6 @@ class ProfilerUnsafe(HlotoolError):
     """This process cannot start jax's profiler."""
 
 
-def libtpu_loaded() -> bool:
-    """Whether this process has libtpu mapped (a deviceless TPU compile loads it)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            return "libtpu" in f.read()
-    except OSError:  # no /proc (not Linux): nothing to check
-        return False
-
-
 def traced_run(compiled: Any, arrays: Sequence[Any], log_dir: str, repeats: int = 3
                ) -> tuple[float, list[OpEvent]]:
     """Run `compiled(*arrays)` once untraced (warm-up), then `repeats` times under
@@ -74,7 +66,7 @@ def traced_run(compiled: Any, arrays: Sequence[Any], log_dir: str, repeats: int 
     never compiles for TPU, so its own process is safe."""
     import jax
 
-    if libtpu_loaded():
+    if tpu_compiler_loaded():
         raise ProfilerUnsafe(
             "jax.profiler crashes in a process that loaded libtpu (a TPU target was compiled "
             "here): trace in a process of its own, e.g. `hlotool profile SCRIPT`")

@@ -15,9 +15,9 @@ import click
 from rich.text import Text
 
 from hlotool.cost import xla
-from hlotool.cost.decision import verdict
+from hlotool import kernels
+from hlotool.cost.decision import choose
 from hlotool.cost.measure import measure
-from hlotool.cost.model import kernel_for
 from hlotool.errors import HlotoolError, write_output
 from hlotool.hardware import get_hardware
 from hlotool.report.console import Term, progress
@@ -40,6 +40,9 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
     names = tuple(get_hardware(t).name for t in targets)
     with progress(f"finding attention in {len(functions)} function(s)"):
         sites = detect_captured(functions)
+        # A function that differentiates a site (a train step) is priced forward and
+        # backward, as flash_jit prices it; --backward prices every function so.
+        trained = {f.name: backward or _trains(f) for f in functions} if sites else {}
     entries = []
     # One line over all of it: each step may be short, together they are not.
     with progress(f"pricing {len(sites)} site(s) on {', '.join(names)}"):
@@ -48,9 +51,10 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
         for i, (s, f) in enumerate(zip(sites, fused or [None] * len(sites)), 1):
             with progress(f"pricing site {i} of {len(sites)} on {', '.join(names)}"):
                 entries.append(site_entry(s, names, with_xla=with_xla, with_measure=measure,
-                                          backward=backward, native_fused=f))
+                                          backward=trained.get(s.function, backward),
+                                          native_fused=f))
     if plot_path and sites:
-        _write_plot(plot_path, sites, names, force)
+        _write_plot(plot_path, sites, names, force, any(trained.values()), with_xla)
         click.echo(f"wrote {plot_shown or plot_path}", err=True)
     if as_json:
         doc = {"version": 1, "script": path, "backward": backward,
@@ -59,7 +63,11 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
     if not sites:
         return f"no attention site in the {len(functions)} functions {path} compiled"
     term = term or Term()
+    training = sorted({name for name, t in trained.items() if t
+                       and any(s.function == name for s in sites)})
     priced = ("training (forward and backward pass)" if backward
+              else f"inference (forward pass only), {', '.join(training)} for training "
+                   "(forward and backward)" if training
               else "inference (forward pass only)")
     rows, notes = table(entries)
     fitted = fit_table(HEADERS, rows, right_aligned={2, 3, 4, 5, 6},
@@ -97,11 +105,23 @@ def _fusion_in_program(functions: Sequence, sites: Sequence, names: Sequence[str
             for by_target in fates]
 
 
+def _trains(function: Any) -> bool:
+    """Whether `function` differentiates any of its sites, as flash_jit sees it (a site it
+    cannot read counts as not)."""
+    from hlotool.flash import rewrite_captured
+
+    try:
+        report, _ = rewrite_captured(function)
+    except HlotoolError:
+        return False
+    return any(s.trained for s in report.sites)
+
+
 def _write_plot(path: str, sites: Sequence[AttentionSite], names: Sequence[str],
-                force: bool) -> None:
+                force: bool, backward: bool, with_xla: bool) -> None:
     from hlotool.report.cost_plot import plot
 
-    write_output(path, plot(sites, names), force=force)
+    write_output(path, plot(sites, names, backward=backward, check_fusion=with_xla), force=force)
     if not os.path.getsize(path):
         raise HlotoolError(f"wrote nothing to {path}")
 
@@ -120,31 +140,28 @@ def site_entry(site: AttentionSite, targets: Sequence[str], *, with_xla: bool = 
     per_target = {}
     for name in targets:
         hw = get_hardware(name)
-        too_big = None
-        try:
-            v = verdict(site, hw, backward=backward, native_fused=seen.get(name),
+        # The one decision every command reads, priced on this target's chip: the fusion it
+        # prices is the single-site probe's, which explain and flash_jit ask too; what the
+        # script's own program does is reported beside it.
+        choice = choose(site, hw.platform, chip=name, backward=backward,
                         check_fusion=with_xla)
-        except HlotoolError as e:
-            too_big = does_not_fit(e, name)
-            if too_big is None:
-                raise
-            # XLA:TPU could not compile the naive program to look for its own fusion: a
-            # program that does not fit has none to offer.
-            v = verdict(site, hw, backward=backward, native_fused=False, check_fusion=False)
-        entry: dict[str, Any] = {"verdict": v.to_json()}
-        if too_big:
-            entry["does_not_fit"] = too_big
+        v = choice.verdict
+        entry: dict[str, Any] = {"verdict": v.to_json(), "backward": backward}
         if v.native_fused is not None:
-            entry["native_fused_from"] = (
-                "the compiled program" if name in seen
-                else "a single-site probe" if hw.platform == "tpu"
-                else "XLA:CPU has no attention fusion")
+            entry["native_fused_from"] = ("a single-site probe" if hw.platform == "tpu"
+                                          else "XLA:CPU has no attention fusion")
+        if name in seen:
+            entry["native_fused_in_program"] = seen[name]
         if with_xla and hw.compile_target is not None and v.kernel_name is not None:
             try:
-                figs = xla.site_figures(site, hw.compile_target, kernel_for(site, hw))
+                figs = xla.site_figures(site, hw.compile_target,
+                                        kernels.registered(v.kernel_name))
                 entry["xla"] = {side: f.to_json() for side, f in figs.items()}
             except HlotoolError as e:
-                entry["xla"] = {"error": does_not_fit(e, name) or str(e)}
+                too_big = does_not_fit(e, name)
+                if too_big:
+                    entry["does_not_fit"] = too_big
+                entry["xla"] = {"error": too_big or str(e)}
         elif with_xla:
             entry["xla"] = {"error": f"no compiler for {name} on this machine: analytic only"}
         per_target[name] = entry

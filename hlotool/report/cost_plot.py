@@ -9,7 +9,9 @@ import math
 from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
+from hlotool.cost.decision import choose
 from hlotool.cost.model import analytic
+from hlotool.hardware import get_hardware
 from hlotool.errors import MARK
 from hlotool.site import AttentionSite
 from hlotool.units import format_bytes, format_seconds
@@ -23,7 +25,9 @@ _LEFT = 72  # room for tick labels such as "512.0 MiB"
 
 @dataclasses.dataclass(frozen=True)
 class Series:
-    """One chip's predicted native and kernel curves over `lengths`."""
+    """One chip's curves over `lengths`: native as XLA runs it and the kernel the verdict
+    prices (`hlotool.cost.decision.choose`, what every command reads), and whether it pays
+    at each length."""
 
     target: str
     lengths: tuple[int, ...]
@@ -31,35 +35,44 @@ class Series:
     kernel_seconds: tuple[float, ...]
     native_bytes: tuple[int, ...]
     kernel_bytes: tuple[int, ...]
+    pays: tuple[bool, ...] = ()
 
     @property
     def crossover(self) -> int | None:
-        """The length from which the kernel's predicted time is below native's, where native
-        is faster at the length before it; None when one side wins across the whole sweep
-        (a sweep's first length is where it starts, not where anything crosses)."""
-        faster = [b < a for a, b in zip(self.native_seconds, self.kernel_seconds)]
-        return next((n for n, before, now in zip(self.lengths[1:], faster, faster[1:])
+        """The length from which the verdict runs the kernel, where it keeps native at the
+        length before it; None when one verdict holds across the whole sweep (a sweep's
+        first length is where it starts, not where anything crosses)."""
+        return next((n for n, before, now in zip(self.lengths[1:], self.pays, self.pays[1:])
                      if now and not before), None)
 
     @property
     def outcome(self) -> str:
-        """The legend's words for who wins where."""
+        """The legend's words: the verdict's, at each length."""
         if self.crossover:
-            return f"kernel faster from L={self.crossover}"
-        if all(b < a for a, b in zip(self.native_seconds, self.kernel_seconds)):
-            return f"kernel faster at every L ≥ {self.lengths[0]}"
-        return f"native faster at every L ≤ {self.lengths[-1]}"
+            return f"the kernel pays from L={self.crossover}"
+        if self.pays and all(self.pays):
+            return f"the kernel pays at every L ≥ {self.lengths[0]}"
+        return f"keep native at every L ≤ {self.lengths[-1]}"
 
 
-def series(site: AttentionSite, target: str, lengths: Sequence[int] = LENGTHS) -> Series:
-    """`site` with Lq = Lk = each length, priced on `target`."""
-    rows = []
+def series(site: AttentionSite, target: str, lengths: Sequence[int] = LENGTHS, *,
+           backward: bool = False, check_fusion: bool = True) -> Series:
+    """`site` with Lq = Lk = each length, priced on `target` by the one decision."""
+    platform = get_hardware(target).platform
+    verdicts = []
     for n in lengths:
-        s = dataclasses.replace(site, q_len=n, kv_len=n, mask_shape=None)
-        rows.append((analytic(s, target, "native"), analytic(s, target, "kernel")))
-    return Series(target, tuple(lengths), tuple(a.seconds for a, _ in rows),
-                  tuple(b.seconds for _, b in rows), tuple(a.hbm_bytes for a, _ in rows),
-                  tuple(b.hbm_bytes for _, b in rows))
+        # At the site's own length the site as it is: the plot marks what the commands say.
+        s = site if n == site.q_len == site.kv_len else dataclasses.replace(
+            site, q_len=n, kv_len=n, mask_shape=None)
+        v = choose(s, platform, chip=target, backward=backward,
+                   check_fusion=check_fusion).verdict
+        kernel = v.kernel or analytic(s, target, "kernel", backward=backward)
+        verdicts.append((v, kernel))
+    return Series(target, tuple(lengths), tuple(v.native.seconds for v, _ in verdicts),
+                  tuple(k.seconds for _, k in verdicts),
+                  tuple(v.native.hbm_bytes for v, _ in verdicts),
+                  tuple(k.hbm_bytes for _, k in verdicts),
+                  tuple(v.pays for v, _ in verdicts))
 
 
 def swept_shape(site: AttentionSite) -> AttentionSite:
@@ -69,7 +82,8 @@ def swept_shape(site: AttentionSite) -> AttentionSite:
                                k_shape=(), v_shape=(), function="", source="")
 
 
-def plot(sites: Sequence[AttentionSite], targets: Sequence[str]) -> str:
+def plot(sites: Sequence[AttentionSite], targets: Sequence[str], *, backward: bool = False,
+         check_fusion: bool = True) -> str:
     """The SVG for `hlotool cost --plot`: one row per distinct `swept_shape`, each titled
     with the functions holding it and marked at their own lengths."""
     rows: dict[AttentionSite, list[AttentionSite]] = {}
@@ -79,7 +93,8 @@ def plot(sites: Sequence[AttentionSite], targets: Sequence[str]) -> str:
     for group in rows.values():
         own = sorted({s.kv_len for s in group})
         lengths = sorted(set(LENGTHS) | set(own))  # the script's own lengths are on the axis
-        out.append(([series(group[0], t, lengths) for t in targets], _title(group), own))
+        out.append(([series(group[0], t, lengths, backward=backward, check_fusion=check_fusion)
+                     for t in targets], _title(group), own))
     return svg(out)
 
 

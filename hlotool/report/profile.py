@@ -149,9 +149,15 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
                        if ops.get("rewritten") is not None else None)
         if ops.get("rewritten") is not None and not cpu_kernel:
             rewritten_s = None  # native on the CPU: no scope of its own to sum
-        predicted_native = analytic(site, "cpu", "native").seconds
-        predicted_kernel = (analytic(site, "cpu", "kernel").seconds if cpu_kernel
-                            else predicted_native)
+        # The prices the CPU's decision rests on (forward and backward in a train step);
+        # a kernel asked for by name was not priced, so it is priced here alike.
+        v = s.choices["cpu"].verdict if "cpu" in s.choices else None
+        native_figures = v.native if v is not None else analytic(site, "cpu", "native")
+        predicted_native = native_figures.seconds
+        predicted_kernel = predicted_native
+        if cpu_kernel:
+            predicted_kernel = (v.kernel.seconds if v is not None and v.kernel is not None
+                                else analytic(site, "cpu", "kernel").seconds)
         sites.append(SiteProfile(f.name, index, site.source, tuple(site.q_shape), cpu_kernel,
                                  native_s, rewritten_s, predicted_native, predicted_kernel))
     return FunctionProfile(
