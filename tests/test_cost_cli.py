@@ -202,6 +202,8 @@ DOES_NOT_FIT = ("native does not fit in tpu-v5e's 16.0 GiB HBM: needs 8.0 TiB of
                 "(XLA:TPU sees 15.8 GiB free)")
 
 
+# Slow (prices every target at a long L): the README's test command leaves it to CI.
+@pytest.mark.slow
 def test_native_too_big_for_hbm_is_a_finding_and_other_targets_go_on(tmp_path):
     path = tmp_path / "huge.py"
     path.write_text(HUGE)

@@ -129,6 +129,8 @@ def test_at_long_sequences_the_tpu_export_holds_splash_and_no_dense_mask(name):
     assert grad.mlir_module().count("stablehlo.custom_call @tpu_custom_call") == 3
 
 
+# Slow (draws and compares GPT-2's dropout twice): the README's test command leaves it to CI.
+@pytest.mark.slow
 def test_gpt2_in_training_mode_keeps_its_attention_dropout_exactly():
     """`train=True`: flax's attention dropout multiplies the probabilities by keep / keep_prob,
     keep drawn from the step's rng. The kernel applies that same multiplier, so outputs and
