@@ -28,7 +28,7 @@ from jax.extend.core import jaxpr_as_fun  # noqa: E402
 
 from hlotool.report import render  # noqa: E402
 from hlotool.capture import capture_script, select  # noqa: E402
-from hlotool.flash import flash_jit  # noqa: E402
+from hlotool.api import flash_jit  # noqa: E402
 from hlotool.passes.diff import FunctionDiff, by_site, diff_modules, site_nodes  # noqa: E402
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "causal_decoder.py")

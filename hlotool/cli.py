@@ -748,7 +748,7 @@ def _diff_function(f: CapturedFunction, stage: str, target: Target, kernel: str
     import jax
     from jax.extend.core import jaxpr_as_fun
 
-    from hlotool.flash import explain, rewrite_captured
+    from hlotool.api import explain, rewrite_captured
     from hlotool.passes.diff import FunctionDiff, by_site, diff_modules, site_nodes
 
     native_pre = f.hlo(target=target.name)
@@ -843,7 +843,7 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
     NNN_jit_NAME.flash.<stage file>. SCRIPT:NAME and `--` script arguments work as for
     `inspect`.
     """
-    from hlotool.flash import rewrite_captured
+    from hlotool.api import rewrite_captured
     from hlotool.report.memory import memory_row, render_memory
     from hlotool.report.rewrite import render_rewrite
     from hlotool.targets import get_target
@@ -897,7 +897,7 @@ def _memory_if_it_paid(f: CapturedFunction, report: Any, targets: Sequence[Targe
     """Where auto keeps every site of `f` native: per target, `f`'s memory beside the kernel
     the target's platform would run if it paid (the one `diff` draws there), so that what a
     swap would cost in memory shows before anyone asks for it."""
-    from hlotool.flash import rewrite_captured
+    from hlotool.api import rewrite_captured
     from hlotool.report.memory import memory_row
 
     rows, rewritten = [], {}

@@ -1,23 +1,20 @@
-"""`flash_jit`: a `jax.jit` whose attention sites run in a flash kernel; `explain`: why (not).
+"""The stages of `flash_jit`, wired: trace, detect, lower, choose, replace, splice.
 
-    fast = hlotool.flash_jit(fn, kernel="auto", validate=False, **jit_kwargs)
-    fast(*args)                     # jax.jit(fn) with each safe attention site rewritten
-    print(hlotool.explain(fn, *args))
+    plan = plan_program(closed_jaxpr, "train_step")   # per site: SiteReport + Replacement
+    plan.report; plan.apply()                         # the rewritten ClosedJaxpr
 
-At trace time the wrapper traces `fn` to a jaxpr and, per site: detects it
-(`passes.from_jaxpr`), lowers it to a kernel call (`passes.lower`, which refuses what no call
-reproduces), decides per platform which kernel runs it (`cost.decision.decide`), and
-substitutes it (`passes.rewrite`) before evaluating the program on jit's tracers. A site
-whose kernel choice differs between platforms is split with `kernels.per_platform`, so one
-traced program runs the chunked kernel (or the native equations) on CPU and exports to TPU
-with the Pallas kernel. Every site left native says why in the report.
+Per site, one direction: `passes.from_jaxpr.detect_jaxpr` (JaxprSite) → `passes.lower.lower`
+(KernelForm, or RewriteError when no kernel call reproduces the site) → `cost.decision.choose`
+per platform (Choice: the kernel, each refusal, the verdict) → `passes.replacement`
+(Replacement: the kernel call per platform) → `passes.rewrite` (splices it, and its
+derivative where the program differentiates the site). Every site left native says why in
+its `SiteReport`. `Rewritten` runs this at trace time; `hlotool.api` is the public face.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
@@ -27,19 +24,15 @@ import numpy as np
 from hlotool import jaxcompat, kernels
 from hlotool.cost.decision import Choice, choose
 from hlotool.errors import HlotoolError, first_line
-from hlotool.kernels.base import Call
 from hlotool.kernels.registry import PLATFORMS
-from hlotool.kernels.sharded import mesh_of, on_mesh
-from hlotool.passes import lower
+from hlotool.kernels.sharded import mesh_of
 from hlotool.passes.from_jaxpr import JaxprSite, describe_path, detect_jaxpr, jaxpr_at
-from hlotool.passes.backward import Backward, Recompute
-from hlotool.passes.residuals import recompute_in_backward, recomputed_here
-from hlotool.passes.tracing import TraceError
-from hlotool.passes.rewrite import (
-    Replacement, RewriteError, check, derivative, free_inputs, inline_calls, prepare,
-    recomputed, rewrite, site_equations,
+from hlotool.passes.replacement import (
+    Lowered, drawing_note, lower_site, repeat_note, replacement,
 )
-from hlotool.site import AttentionSite
+from hlotool.passes.residuals import recompute_in_backward, recomputed_here
+from hlotool.passes.rewrite import Replacement, RewriteError, inline_calls, prepare, rewrite
+from hlotool.passes.tracing import TraceError
 from hlotool.site_report import Report, SiteReport
 
 
@@ -52,124 +45,13 @@ def site_key(site: JaxprSite) -> tuple:
     return (site.path, site.eqns)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Form:
-    """A site's kernel form, and where the program differentiates it, its derivative:
-    beside it (`backward`, a train step) or in `jax.checkpoint` bodies (`recomputes`), with
-    `note` saying why a checkpointed recompute stays native."""
-
-    kernel: lower.KernelForm
-    backward: Backward | None
-    recomputes: tuple[Recompute, ...]
-    note: str
-
-    @property
-    def trained(self) -> bool:
-        """Whether the program differentiates the site (priced forward and backward)."""
-        return self.backward is not None or bool(self.recomputes)
-
-
-def _form(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, skip: frozenset) -> _Form:
-    """`RewriteError` when dropping the site's equations would change the program or no
-    kernel call reproduces it."""
-    backward = derivative(jaxpr, site)
-    check(jaxpr, site, backward)
-    kernel = lower.lower(site)
-    found, missed = recomputed(jaxpr, site, skip)
-    note = ""
-    if found:
-        note = "its backward under jax.checkpoint recomputes it in the kernel too"
-    elif missed:
-        note = f"its backward under jax.checkpoint stays native: {missed}"
-    return _Form(kernel, backward, tuple(found), note)
-
-
-def _choices(site: JaxprSite, form: _Form, kernel: str) -> dict[str, Choice]:
+def _choices(site: JaxprSite, form: Lowered, kernel: str) -> dict[str, Choice]:
     """Per platform, the one decision (`cost.decision.choose`) for what the call asks of a
     kernel (`KernelForm.features`), priced forward and backward where the program
     differentiates the site."""
     check_vma = site.manual is not None and site.manual.check_vma
     return {p: choose(site.site, p, kernel, features=form.kernel.features, check_vma=check_vma,
                       backward=form.trained) for p in PLATFORMS}
-
-
-def scope(index: int, site: AttentionSite) -> str:
-    """The name scope a rewritten site runs under: "hlotool/site3:model.py:56"."""
-    where = os.path.basename(site.source) if site.source else "?"
-    return f"hlotool/site{index}:{where}"
-
-
-def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, form: lower.KernelForm,
-                plan: Mapping[str, str | None], mesh: Any = None, index: int = 0,
-                backward: Backward | None = None, recomputes: Sequence[Recompute] = ()
-                ) -> Replacement:
-    """The function computing `site.out` under `plan` (platform → kernel name or None).
-
-    It runs under the name scope `scope(index, site)` and each kernel under its own name
-    (".../pallas_tpu"), so profiles name the site and the kernel of every op; the scope sits
-    around the kernel call, never inside a Pallas kernel body (jax#40637: scopes there can
-    constrain scheduling)."""
-    inputs = free_inputs(jaxpr, site)
-    own = site_equations(jaxpr, site)
-    # Differentiated with respect to what the site's equations read (a train step's
-    # derivative, `backward.differentiated`): the kernel reads its operands from there.
-    direct = backward is not None or bool(recomputes)
-    if direct:
-        wrt = {*(backward.wrt if backward is not None else ()),
-               *(inputs[i] for r in recomputes for i in r.wrt)}
-        broadcast = [m for m in (*(b for b, _ in form.biases), *form.operand_masks)
-                     if m.direct is not None and m.direct is not m.var]
-        if any(m.var in wrt for m in broadcast):
-            raise RewriteError("the site reads a bias, sink or head-mask operand both as it "
-                               "is and broadcast, and its derivative takes both")
-
-    def branch(name: str | None) -> Callable[..., jax.Array]:
-        def run(*xs):
-            values = dict(zip(inputs, xs))
-            if name is None:
-                return own(values)
-            with jax.named_scope(name):
-                call, after = lower.operands(form, site, values, direct)
-
-                def attend(kernel: str, call: Call, after: lower.After) -> jax.Array:
-                    out = on_mesh(kernels.get(kernel).run, call, mesh)
-                    return lower.restore(site, out, after)
-
-                if not form.checked:
-                    return attend(name, call, after)
-                # A bias read as a mask, or a -inf fill for a repeated post-softmax mask,
-                # where the reading is exact at this call; else the site as it is, in the
-                # exact kernel (or its own equations where no kernel form has it).
-                if form.fallback is None:
-                    def slow():
-                        return own(values)
-                else:
-                    exact, exact_after = lower.operands(form.fallback, site, values, direct)
-
-                    def slow():
-                        return attend("chunked", exact, exact_after)
-                return jax.lax.cond(lower.reads_as_mask(form, call),
-                                    lambda: attend(name, call, after), slow)
-        return run
-
-    def run(values: Mapping[Any, jax.Array]) -> jax.Array:
-        return kernels.per_platform(plan, branch, *(values[v] for v in inputs))
-
-    if backward is not None:
-        run.backward = backward  # the pass replaces the program's derivative of the site too
-    elif all(plan.values()):
-        # Kernel branches depend only on this signature; a native branch would carry the
-        # site's own source lines, so it is traced per site.
-        at = {v: i for i, v in enumerate(inputs)}
-        run.cache_key = (
-            tuple(sorted(plan.items())), mesh, form.signature(),
-            tuple(at.get(m.var) for m, _ in form.biases),
-            tuple(at.get(m.var) for m in form.operand_masks),
-            at[site.q.var], site.q.layout, at[site.k.var], site.k.layout, at[site.v.var],
-            site.v.layout, site.out_layout, site.out.aval)
-    run.recomputes = tuple(recomputes)
-    run.scope = scope(index, site.site)
-    return run
 
 
 # ----------------------------------------------------------------------------------------
@@ -242,7 +124,7 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
             reports.append(SiteReport.native(site.site, where, PLATFORMS, blocker))
             continue
         try:
-            form = _form(jaxpr, site, sited)
+            form = lower_site(jaxpr, site, sited)
             choices = _choices(site, form, kernel)
             plan = {p: c.kernel for p, c in choices.items()}
             notes = ()
@@ -250,10 +132,9 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
                 # Inside a shard_map body the kernel already sees one device's shard.
                 on = mesh if site.manual is None else None
                 replacements.append((site, prepare(jaxpr, site, replacement(
-                    jaxpr, site, form.kernel, plan, on, index, form.backward,
-                    form.recomputes), cache)))
-                notes = tuple(filter(None, (form.note, _repeat_note(form.kernel),
-                                            _drawing_note(form.kernel, plan))))
+                    jaxpr, site, form, plan, on, index), cache)))
+                notes = tuple(filter(None, (form.note, repeat_note(form.kernel),
+                                            drawing_note(form.kernel, plan))))
                 if recomputed_here(jaxpr, site):
                     notes += ("recomputed in the backward loop from its inputs, which the "
                               "forward loop saves in place of its probabilities",)
@@ -266,27 +147,6 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
                 site.site, where, PLATFORMS, f"the replacement could not be traced "
                 f"({type(err).__name__}: {first_line(err)})"))
     return Plan(Report(function, tuple(reports)), closed, replacements)
-
-
-def _repeat_note(form: lower.KernelForm) -> str:
-    """How the call reads a post-softmax where-mask that repeats the logits' mask."""
-    if form.hard_fill is None:
-        return ""
-    return ("its where(mask, p, 0) after the softmax repeats the logits' mask: left out, "
-            "hidden keys at -inf, where every row sees a key and the fill "
-            f"{form.hard_fill:g} leaves them no weight (checked per call; else the site as it "
-            "is, in chunked)")
-
-
-def _drawing_note(form: lower.KernelForm, plan: Mapping[str, str | None]) -> str:
-    """Where a kernel of `plan` draws dropout's keep mask per tile, or why it reads it whole."""
-    drawers = sorted({k for k in plan.values() if k is not None and kernels.get(k).draws})
-    mask, why_not = lower.drawing(form)
-    if not drawers or (mask is None and why_not is None):
-        return ""
-    if mask is not None:
-        return f"{'/'.join(drawers)} draws the keep mask per tile from its key"
-    return f"{'/'.join(drawers)} reads the keep mask whole ({why_not})"
 
 
 def symbolic_dims(closed: jaxcompat.ClosedJaxpr) -> list[str]:
@@ -367,46 +227,3 @@ class Rewritten:
         if self.report.note:
             warnings.warn(f"flash_jit: {self.report}", stacklevel=2)
         return unflatten(outs)
-
-
-def explain(fn: Callable, *args: Any, kernel: str = "auto", **kwargs: Any) -> Report:
-    """Per site of `fn(*args, **kwargs)`: which kernel runs it on each platform, or why it
-    stays native. Array leaves of the arguments are traced; everything else is static."""
-    if kernel != "auto":
-        kernels.get(kernel)
-    closed, _, _ = trace(fn, args, kwargs)
-    return plan_program(closed, name_of(fn), kernel).report
-
-
-def flash_jit(fn: Callable, *, kernel: str = "auto", validate: bool = False,
-              **jit_kwargs: Any):
-    """`jax.jit(fn, **jit_kwargs)` with every attention site `decide` accepts run in a kernel.
-
-    kernel: "auto" (per platform, see `hlotool.cost.decision.decide`) or a kernel name
-    (`hlotool.kernels.names()`).
-    validate: before the first use of each input signature, compare outputs and gradients
-    with `jax.jit(fn)` and keep native, with a warning naming the site and the error, the
-    sites that differ (see `hlotool.validate`).
-    Returns a `jax.jit`-wrapped function (`.lower`, `.trace`, `jax.export` work).
-    """
-    unavailable = jaxcompat.missing("flash_jit")
-    if unavailable is not None:
-        warnings.warn(f"{unavailable}; flash_jit returns plain jax.jit", stacklevel=2)
-        return jax.jit(fn, **jit_kwargs)
-    if validate:
-        from hlotool.validate import Validated
-
-        return Validated(fn, kernel, jit_kwargs)
-    return jax.jit(Rewritten(fn, kernel, jit_kwargs.get("in_shardings")), **jit_kwargs)
-
-
-def rewrite_captured(function: Any, kernel: str = "auto") -> tuple[Report, Any]:
-    """A function `hlotool.capture` recorded, rewritten: its report, and a copy of the
-    `CapturedFunction` whose program (every stage: jaxpr, StableHLO, HLO, optimized) is the
-    rewritten one."""
-    rewritten = Rewritten(jaxcompat.jaxpr_as_fun(function.closed_jaxpr), kernel)
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-            for a in function.in_avals]
-    closed = jax.make_jaxpr(rewritten)(*args)
-    report = dataclasses.replace(rewritten.report, function=function.name)
-    return report, function.with_jaxpr(closed)

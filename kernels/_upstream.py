@@ -28,6 +28,7 @@ from hlotool.kernels.base import (
     with_empty_rows,
     zero_invalid_keys,
 )
+from hlotool.kernels.chunked import Chunked
 
 # TPU kernels tile lengths by lanes of 128.
 LANES = 128
@@ -84,6 +85,7 @@ class UpstreamKernel(AttentionKernel):
     subclass's constructor) found it."""
 
     _probe: Upstream
+    exact = Chunked
 
     @property
     def unavailable_reason(self) -> str | None:

@@ -417,6 +417,10 @@ class AttentionKernel(abc.ABC):
     # The logit this kernel gives the keys it hides instead of `Call.fill` (a large negative
     # constant in its tiles); None when it implements `fill` exactly.
     hidden_logit: ClassVar[float | None] = None
+    # Where hiding keys at `hidden_logit` would change a call's result (`_exact`), `run`
+    # computes it in this kernel instead: the chunked kernel, which implements `fill`
+    # exactly. Named by the kernels that set `hidden_logit`, so this module imports none.
+    exact: ClassVar[type[AttentionKernel] | None] = None
     # The softmax variants (`EXTRAS`) this kernel implements; it refuses the others.
     extras: ClassVar[frozenset[str]] = frozenset()
     # Whether its values carry the types jax checks in a shard_map body with check_vma=True
@@ -486,9 +490,10 @@ class AttentionKernel(abc.ABC):
 
         if self.hidden_logit is None or not self._hides_keys(call):
             return _rows_without_kept_keys(call, attend(self)(call))
-        from hlotool.kernels.chunked import Chunked  # the exact kernel; imports this module
-
-        out = lax.cond(self._exact(call), attend(self), attend(Chunked()), call)
+        if self.exact is None:
+            raise KernelError(f"kernel {self.name} hides keys at {self.hidden_logit:g} and "
+                              "names no exact kernel for the calls where that changes the result")
+        out = lax.cond(self._exact(call), attend(self), attend(self.exact()), call)
         return _rows_without_kept_keys(call, out)
 
     def _exact(self, call: Call) -> jax.Array:

@@ -66,6 +66,7 @@ from hlotool.kernels.base import (
     visible_fraction,
     zero_invalid_keys,
 )
+from hlotool.kernels.chunked import Chunked
 from hlotool.kernels.drawn import DrawnMask
 from hlotool.site import AttentionSite
 
@@ -433,6 +434,7 @@ class DropoutTpu(AttentionKernel):
     # It gives hidden keys -inf: exact under the default fill; under a finite one only where
     # `_exact` shows the difference is below float32 resolution.
     hidden_logit = -math.inf
+    exact = Chunked
 
     def __init__(self, interpret: bool = False) -> None:
         self.interpret = interpret

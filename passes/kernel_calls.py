@@ -39,7 +39,7 @@ from hlotool.hlo import Computation, Instruction, Module, Shape, parse_module
 
 LIBRARIES = ("hlotool", "pallas", "cudnn", "tokamax")
 
-# hlotool.flash.scope(): "hlotool/site3:model.py:56".
+# hlotool.passes.replacement.scope(): "hlotool/site3:model.py:56".
 SITE_SCOPE = re.compile(r"hlotool/site(\d+):([^/]*)")
 # Attention kernels of jax's Pallas ops, by the name their pallas_call gives the kernel.
 _PALLAS_ATTENTION = re.compile(

@@ -44,19 +44,48 @@ from hlotool.passes.from_jaxpr import (
 from hlotool.passes.logits import STRUCTURAL
 from hlotool.passes.tracing import Manual
 
-# Computes a site's output [out var's shape] from the site's free inputs, keyed by variable.
-# A `scope` attribute names the site in profiles: the spliced call runs under that name
-# scope (on top of the site's own), so XProf, TensorBoard and HLO op_name metadata show
-# which site each op belongs to. A `backward` attribute (a `Backward`) marks a site of a
-# program that differentiates itself: the pass replaces its derivative too.
-Replacement = Callable[[Mapping[Any, jax.Array]], jax.Array]
-
 # The name of every call the pass splices: `jit(hlotool_flash)` in HLO and in profiles.
 CALL = "hlotool_flash"
 
 
 class RewriteError(HlotoolError):
     """A site cannot be substituted without changing the program; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Splice:
+    """One edit of the jaxpr at `path`: drop the equations `drop`, put `calls[i]` at i."""
+
+    path: Path
+    drop: frozenset[int]
+    calls: Mapping[int, jaxcompat.JaxprEqn]
+
+
+@dataclasses.dataclass(frozen=True)
+class Replacement:
+    """What computes a site's output [the out var's shape] from the site's free inputs
+    (`free_inputs`), keyed by variable, and how the pass splices it.
+
+    scope: the name scope the spliced call runs under (on top of the site's own), so XProf,
+        TensorBoard and HLO op_name metadata name the site of each op.
+    backward: where the program differentiates the site beside it (a train step): the pass
+        replaces that derivative by the replacement's too.
+    recomputes: `jax.checkpoint` bodies that recompute the site for its derivative, each
+        replaced by the replacement's derivative.
+    cache_key: identical keys (with the inputs' types) share one traced call: a model's 24
+        identical layers trace the kernel once.
+    splices: the traced edits (`prepare`), None until traced.
+    """
+
+    run: Callable[[Mapping[Any, jax.Array]], jax.Array]
+    scope: str | None = None
+    backward: Backward | None = None
+    recomputes: tuple[Recompute, ...] = ()
+    cache_key: tuple | None = None
+    splices: tuple[Splice, ...] | None = None
+
+    def __call__(self, values: Mapping[Any, jax.Array]) -> jax.Array:
+        return self.run(values)
 
 
 def free_inputs(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> list[Any]:
@@ -92,7 +121,7 @@ def site_equations(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> Replacement:
         (out,) = jaxcompat.eval_jaxpr(body, (), *(values[v] for v in inputs))
         return out
 
-    return run
+    return Replacement(run)
 
 
 def derivative(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> Backward | None:
@@ -291,10 +320,10 @@ def _traced_eqn(fn: Replacement, inputs: list[Any], out: Any, where: Manual | No
     """`fn` traced into one `jit` equation reading `inputs` and defining `out`, at the
     site's level `where`.
 
-    A replacement with a `cache_key` attribute is traced once per key and input types:
-    the 24 identical layers of a model share one traced kernel.
+    A replacement with a `cache_key` is traced once per key and input types: the 24
+    identical layers of a model share one traced kernel.
     """
-    key = getattr(fn, "cache_key", None)
+    key = fn.cache_key
     if key is not None:
         key = (key, where, tuple(v.aval for v in inputs))
         if key in cache:
@@ -387,27 +416,18 @@ def _traced_pair(fn: Replacement, inputs: list[Any], site: JaxprSite, backward: 
     return fwd, bwd
 
 
-@dataclasses.dataclass(frozen=True)
-class Splice:
-    """One edit of the jaxpr at `path`: drop the equations `drop`, put `calls[i]` at i."""
-
-    path: Path
-    drop: frozenset[int]
-    calls: Mapping[int, jaxcompat.JaxprEqn]
-
-
 def prepare(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, fn: Replacement,
             cache: dict[Any, jaxcompat.JaxprEqn] | None = None) -> Replacement:
-    """`fn`, checked and traced for `site` of `jaxpr` now (`fn.splices`), so that a
+    """`fn`, checked and traced for `site` of `jaxpr` now (`.splices`), so that a
     replacement which cannot be spliced raises `RewriteError` while the site can still be
     reported native, not later in `rewrite`. `cache` is shared by the sites of a program."""
-    fn.splices = _splices(jaxpr, site, fn, {} if cache is None else cache)
-    return fn
+    return dataclasses.replace(
+        fn, splices=_splices(jaxpr, site, fn, {} if cache is None else cache))
 
 
 def _splices(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, fn: Replacement,
-             cache: dict[Any, jaxcompat.JaxprEqn]) -> list[Splice]:
-    backward = getattr(fn, "backward", None)
+             cache: dict[Any, jaxcompat.JaxprEqn]) -> tuple[Splice, ...]:
+    backward = fn.backward
     check(jaxpr, site, backward)
     at = next(i for i in site.eqns if site.out in jaxpr.eqns[i].outvars)
     inputs = free_inputs(jaxpr, site)
@@ -418,16 +438,16 @@ def _splices(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, fn: Replacement,
         calls = {at: fwd, min(backward.backward): bwd}
     # The calls carry the site's own source line, so HLO metadata points at the user, and
     # its scope; set here, not while tracing, so identical sites share one trace.
-    info = _info(jaxpr.eqns[at], fn)
-    scope = getattr(fn, "scope", None)
+    info = _info(jaxpr.eqns[at], fn.scope)
+    scope = fn.scope
     own = set(site.eqns) | (backward.equations if backward is not None else set())
     splices = [Splice(site.path, frozenset(own),
                       {i: _scoped(e, scope).replace(source_info=info)
                        for i, e in calls.items()})]
-    for r in getattr(fn, "recomputes", ()):
+    for r in fn.recomputes:
         call = _scoped(_traced_recompute(fn, inputs, r, site.manual), scope)
         splices.append(Splice(r.path, r.equations, {r.first: call.replace(source_info=info)}))
-    return splices
+    return tuple(splices)
 
 
 def _scoped(eqn: jaxcompat.JaxprEqn, scope: str | None) -> jaxcompat.JaxprEqn:
@@ -480,9 +500,8 @@ def _with_bodies(eqn: jaxcompat.JaxprEqn, change: Callable[[jaxcompat.Jaxpr], ja
     return eqn.replace(params=params)
 
 
-def _info(eqn: jaxcompat.JaxprEqn, fn: Replacement) -> Any:
+def _info(eqn: jaxcompat.JaxprEqn, scope: str | None) -> Any:
     info = eqn.source_info
-    scope = getattr(fn, "scope", None)
     return info.replace(name_stack=info.name_stack.extend(scope)) if scope else info
 
 
@@ -551,7 +570,7 @@ def rewrite(closed: jaxcompat.ClosedJaxpr, replacements: Sequence[tuple[JaxprSit
     by_path: dict[Path, list[Splice]] = defaultdict(list)
     cache: dict[Any, jaxcompat.JaxprEqn] = {}
     for site, fn in replacements:
-        splices = getattr(fn, "splices", None)
+        splices = fn.splices
         if splices is None:
             splices = _splices(jaxpr_at(closed, site.path), site, fn, cache)
         for splice in splices:

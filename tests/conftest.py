@@ -40,3 +40,14 @@ def fake_module(monkeypatch):
         return module
 
     return make
+
+
+@pytest.fixture
+def tpu_compiler():
+    """libtpu loaded for deviceless compiles, as hlotool's commands load it, so a decision
+    asks XLA:TPU whether it fuses the site (without it, the answer is "unknown"): whether
+    an earlier test in the worker loaded it must not decide the test."""
+    from hlotool.targets import load_tpu_compiler, tpu_compiler_loaded
+
+    load_tpu_compiler()
+    assert tpu_compiler_loaded(), "libtpu (the test extra) is needed to compile for TPU"

@@ -102,7 +102,7 @@ def test_verdict_long_sequence_pays(target):
     assert f"×{v.hbm_ratio:.1f} less HBM traffic" in v.reason
 
 
-def test_verdict_tpu_where_xla_fuses_natively():
+def test_verdict_tpu_where_xla_fuses_natively(tpu_compiler):
     # XLA:TPU rewrites [B, H, L, D] attention into its own online-softmax kernel.
     v = verdict(site(1024, dim=128, dtype="bfloat16", layout="BHLD"), "tpu-v5e")
     assert v.native_fused is True
@@ -111,7 +111,7 @@ def test_verdict_tpu_where_xla_fuses_natively():
     assert v.native.hbm_bytes < v.kernel.hbm_bytes * 2  # no [B, H, L, L] traffic natively
 
 
-def test_verdict_tpu_not_fused_in_blhd():
+def test_verdict_tpu_not_fused_in_blhd(tpu_compiler):
     v = verdict(site(2048, dim=128, dtype="bfloat16"), "tpu-v5e")
     assert v.native_fused is False
     assert v.pays and v.kernel_name == "splash_tpu"

@@ -138,7 +138,7 @@ def test_missing_hook_degrades_flash_jit_to_plain_jit(without_dce):
 
 def test_missing_hook_is_one_line_where_flash_jit_cannot_degrade(without_dce):
     """`hlotool rewrite` and `diff` rewrite a captured program: no plain-jit fallback there."""
-    from hlotool.flash import rewrite_captured
+    from hlotool.api import rewrite_captured
 
     (f,) = capture_function(jax.jit(_attention), *QKV)
     with pytest.raises(jaxcompat.MissingHook) as err:

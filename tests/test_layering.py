@@ -20,7 +20,7 @@ LAYERS = [
     ("kernels", ("hlotool.kernels",)),
     ("passes", ("hlotool.passes",)),
     ("cost", ("hlotool.cost",)),
-    ("flash_jit", ("hlotool.flash", "hlotool.validate", "hlotool.site_report")),
+    ("flash_jit", ("hlotool.flash", "hlotool.validate", "hlotool.site_report", "hlotool.api")),
     ("reports and CLI", ("hlotool.report", "hlotool.cli", "hlotool.__main__", "hlotool.doctor",
                          "hlotool")),  # the package itself: the public API, a façade
 ]

@@ -19,7 +19,7 @@ import pytest
 from hlotool.capture import capture_function
 from hlotool.cost import trace
 from hlotool.errors import EXIT_BAD_INPUT, MANIFEST
-from hlotool.flash import rewrite_captured
+from hlotool.api import rewrite_captured
 
 MODEL = """\
 import math, jax, jax.numpy as jnp

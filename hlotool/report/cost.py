@@ -108,7 +108,7 @@ def _fusion_in_program(functions: Sequence, sites: Sequence, names: Sequence[str
 def _trains(function: Any) -> bool:
     """Whether `function` differentiates any of its sites, as flash_jit sees it (a site it
     cannot read counts as not)."""
-    from hlotool.flash import rewrite_captured
+    from hlotool.api import rewrite_captured
 
     try:
         report, _ = rewrite_captured(function)

@@ -110,7 +110,7 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
     """Trace `f` native and rewritten on the host; see the module docstring."""
     from hlotool.cost.model import analytic
     from hlotool.cost.trace import TraceUnreadable, op_seconds, scope_sites, traced_run
-    from hlotool.flash import rewrite_captured
+    from hlotool.api import rewrite_captured
 
     report, rewritten = rewrite_captured(f, kernel)
     if not report.sites:
