@@ -20,6 +20,8 @@ from hlotool.capture import capture_function
 from hlotool.cost import trace
 from hlotool.errors import EXIT_BAD_INPUT, MANIFEST
 from hlotool.api import rewrite_captured
+from hlotool.report.console import Term
+from hlotool.report.profile import FunctionProfile, SiteProfile, render_profile
 
 MODEL = """\
 import math, jax, jax.numpy as jnp
@@ -71,6 +73,7 @@ def test_profile_reports_per_site_time_from_the_trace_and_keeps_it(model, tmp_pa
     assert site["measured_ratio"] == pytest.approx(
         site["native_seconds"] / site["rewritten_seconds"])
     assert site["predicted_native_seconds"] > site["predicted_kernel_seconds"] > 0
+    assert site["agrees"] is (0.5 <= site["measured_ratio"] / site["predicted_ratio"] <= 2)
     # One log directory per side: TensorBoard shows two runs.
     for side in ("native", "rewritten"):
         assert attend["traces"][side] == os.path.join(where, "001_jit_attend", side)
@@ -120,6 +123,25 @@ def test_profile_without_trace_makes_a_new_directory_and_prints_it(model):
 
 def ev(op, start, seconds, thread="t"):
     return trace.OpEvent(op, "jit_f", thread, start, seconds)
+
+
+def _site(index, native, rewritten, predicted_native, predicted_kernel):
+    return SiteProfile("step", index, "m.py:5", (1, 1024, 2, 64), "chunked", native,
+                       rewritten, predicted_native, predicted_kernel)
+
+
+def test_predicted_and_measured_that_differ_by_more_than_twice_are_named():
+    close = _site(1, 40e-3, 10e-3, 30e-3, 10e-3)  # measured ×4, predicted ×3
+    # Predicted ×20, measured ×1.6: the kernel ran 12× slower than the model said.
+    off = _site(2, 66e-3, 41e-3, 60e-3, 3e-3)
+    text = render_profile([FunctionProfile("step", 1, 1.0, 0.5, 0.9, 0.4, (close, off))],
+                          Term())
+    assert (close.agrees, off.agrees) == (True, False)
+    assert ("differ by more than 2× at 1 of 2 sites; furthest, step site2 (predicted ×20.00, "
+            "measured ×1.61): the kernel took 41 ms against 3 ms predicted, native took "
+            "66 ms against 60 ms predicted") in text
+    assert "differ by more" not in render_profile(
+        [FunctionProfile("step", 1, 1.0, 0.5, 0.9, 0.4, (close,))], Term())
 
 
 def test_ops_inside_another_op_count_once():

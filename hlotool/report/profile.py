@@ -17,6 +17,7 @@ op time can exceed its wall time.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -56,11 +57,29 @@ class SiteProfile:
     def predicted_ratio(self) -> float:
         return self.predicted_native_seconds / self.predicted_kernel_seconds
 
+    @property
+    def agrees(self) -> bool | None:
+        """Whether the measured ratio is within 2× of the predicted one (None: not measured)."""
+        measured = self.measured_ratio
+        if measured is None:
+            return None
+        return 0.5 <= measured / self.predicted_ratio <= 2.0
+
+    def disagreement(self) -> str:
+        """Which side the cost model misprices, where `agrees` is False: each side's
+        measured seconds against its prediction, the further one first."""
+        sides = [("the kernel", self.rewritten_seconds, self.predicted_kernel_seconds),
+                 ("native", self.native_seconds, self.predicted_native_seconds)]
+        sides.sort(key=lambda side: -abs(math.log(side[1] / side[2])))
+        return ", ".join(f"{name} took {format_seconds(got)} against {format_seconds(want)} "
+                         "predicted" for name, got, want in sides)
+
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["q_shape"] = list(self.q_shape)
         out["measured_ratio"] = self.measured_ratio
         out["predicted_ratio"] = self.predicted_ratio
+        out["agrees"] = self.agrees
         return out
 
 
@@ -206,6 +225,18 @@ def render_profile(profiles: Sequence[FunctionProfile], term: Term | None = None
         out.append("\n" + term.wrap("Per site, from the trace (seconds per call" + (
             f"; {' and '.join(ratios)}: native ÷ rewritten)" if ratios else ")")))
         out.append(fitted.text)
+        off = [s for p in measured for s in p.sites if s.agrees is False]
+        if off:
+            total = sum(s.agrees is not None for p in measured for s in p.sites)
+            worst = max(off, key=lambda s: abs(math.log(s.measured_ratio / s.predicted_ratio)))
+            out.append(term.wrap(
+                f"Predicted and measured differ by more than 2× at {len(off)} of {total} "
+                f"site{'s' if total > 1 else ''}; furthest, {printable(worst.function)} "
+                f"site{worst.index} (predicted {_ratio(worst.predicted_ratio)}, measured "
+                f"{_ratio(worst.measured_ratio)}): {worst.disagreement()}. The cpu row of "
+                "hlotool/hardware.py holds rates measured on its own host "
+                "(benchmarks/cost_vs_measured.py --calibrate re-measures them here); "
+                "auto's choice on this machine rests on them.", "", "  "))
     for p in profiles:
         if p.note:
             out.append(term.wrap(f"{printable(p.function)}: {printable(p.note)}", "", "  "))
