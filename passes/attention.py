@@ -329,14 +329,134 @@ def _follow(path: tuple[Link | Node, ...], labels: axes.Labels) -> axes.Labels:
     return labels
 
 
+@dataclasses.dataclass(frozen=True)
+class _KeyAxis:
+    """Which operand of the scores dot is K, as the softmax's axis says, with the axis labels
+    (`passes/axes.py`) of the scores dot's operands, its output and the softmax input."""
+
+    score_labels: axes.Labels
+    logits_labels: axes.Labels  # the softmax input, [B, H, Lq, Lk] in any layout
+    key_tokens: frozenset  # the key axis's one token
+    qside: str  # which operand of the scores dot is Q: "l" or "r"
+    kside: str
+    q_node: Node
+    k_node: Node
+    q_labels: axes.Labels
+    k_labels: axes.Labels
+
+    @property
+    def key_token(self) -> tuple:
+        (token,) = self.key_tokens
+        return token
+
+
+@dataclasses.dataclass(frozen=True)
+class _ValueDot:
+    """The second dot, labelled from the key axis it contracts."""
+
+    probs_labels: axes.Labels  # the probabilities as the dot reads them
+    v_node: Node
+    v_labels: axes.Labels
+    out_labels: axes.Labels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operands:
+    """q, k and v where the kernel reads them, and the constant factors `_trace` took off
+    them on the way to the dots."""
+
+    roles: _Roles
+    q: Operand
+    k: Operand
+    v: Operand
+    out_layout: Layout
+    q_scale: float
+    k_scale: float
+    v_scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Labelled:
+    """A structural match once its key axis and its axes' roles are known: what the handlers
+    of the steps around the softmax read."""
+
+    m: dict
+    position: dict[int, int]
+    keys: _KeyAxis
+    roles: _Roles
+
+    @property
+    def scores(self) -> Node:
+        return self.m["scores"]
+
+
+@dataclasses.dataclass
+class _LogitsRead:
+    """The steps from the scores to the softmax input, read in program order."""
+
+    scale: float  # q's and k's constant factors times those of the scale steps
+    steps: list[LogitStep] = dataclasses.field(default_factory=list)
+    # The terms of the mask and bias steps.
+    masks: list[MaskTerm] = dataclasses.field(default_factory=list)
+    # Terms acting beside the logits: the sink column, and a bias read as a mask as the bias
+    # it is ("exact_bias").
+    beside: list[MaskTerm] = dataclasses.field(default_factory=list)
+    # (predicate, (keep_when, layout)) of each select hiding logits: a mask after the softmax
+    # that repeats one of them only zeroes keys already hidden.
+    selects: list[tuple[Node, tuple[bool, Layout]]] = dataclasses.field(default_factory=list)
+    exact_step: LogitStep | None = None  # the bias read as a mask, as the bias it is
+
+
+@dataclasses.dataclass
+class _ProbsRead:
+    """The steps from the softmax to the value dot, read in program order."""
+
+    out_factor: float  # the constant the output is scaled by instead of the probabilities
+    multipliers: list[Multiplier] = dataclasses.field(default_factory=list)
+    beside: list[MaskTerm] = dataclasses.field(default_factory=list)  # "post" and "dropout"
+    drawn_keep: set[int] = dataclasses.field(default_factory=set)  # post masks drawn from bits
+
+
 def _describe(m: dict, position: dict[int, int], function: str) -> Match:
-    scores, out = m["scores"], m["out"]
+    """`describe` of a structural match, raising `_Reject` at the first rule it breaks: the
+    checks run in the order below, which decides the one `rejection` reports."""
+    keys = _key_axis(m, position)
+    value_dot = _value_dot(m, keys)
+    operands = _operands(m, keys, value_dot)
+    labelled = _Labelled(m, position, keys, operands.roles)
+    logits = _read_logits(labelled, operands.q_scale * operands.k_scale)
+    sinks = next((t for t in logits.beside if t.kind == "sinks"), None)
+    probs = _read_probs(labelled, logits.selects, sinks, operands.v_scale)
+    reported_scale = _reported_scale(m, operands, logits.scale)
+    chain, logit_masks, beside = _logits_chain(logits)
+    beside += probs.beside
+    site = _attention_site(m, function, operands, reported_scale, chain, logit_masks, beside,
+                           probs)
+    stops, shifts = _site_bounds(m, operands)
+    return Match(
+        site=site, q=operands.q, k=operands.k, v=operands.v,
+        out=m["out"], out_layout=operands.out_layout, scale=logits.scale,
+        masks=tuple(logit_masks + beside), steps=tuple(logits.steps), logits=chain,
+        multipliers=tuple(probs.multipliers), body=_body(m["out"], stops),
+        internals={name: m[name] for name in ("scores", "logits", "row_max", "exp", "row_sum",
+                                              "probs") if name in m},
+        out_factor=probs.out_factor,
+        unreproduced=exactness.refusal(m["out"], stops, shifts, site.dtype),
+    )
+
+
+def _key_axis(m: dict, position: dict[int, int]) -> _KeyAxis:
+    """The softmax's axis is the key axis, and it decides which scores dot operand is K.
+
+    Follows the scores dot's labels up the logits chain to the softmax input ([B, H, Lq, Lk]
+    in any layout) and checks that the softmax's sum (and row max) reduce one free axis of
+    one dot operand and nothing else, that K has no other free axis, and that no bias or mask
+    on the way is computed from the scores themselves."""
+    scores = m["scores"]
     dn = scores.params
     left = _operand_labels(scores.inputs[0], dn["lhs_batch"], dn["lhs_contract"], "l")
     right = _operand_labels(scores.inputs[1], dn["rhs_batch"], dn["rhs_contract"], "r")
     score_labels = _dot_output_labels(scores, left, right)
-
-    # The softmax axis is the key axis: it decides which dot operand is K.
     logits_links = m["logits_path"]
     logits_labels = _follow(logits_links, score_labels)
     reduced = set(m["row_sum"].params["axes"])
@@ -355,20 +475,28 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
         raise _Reject("the softmax does not run over one free axis of one dot operand (the "
                       "key axis)")
     kside = kinds.pop()
-    qside = "r" if kside == "l" else "l"
+    k_at = 0 if kside == "l" else 1
+    k_node, q_node = scores.inputs[k_at], scores.inputs[1 - k_at]
     k_labels, q_labels = (left, right) if kside == "l" else (right, left)
-    k_shape = (scores.inputs[0] if kside == "l" else scores.inputs[1]).shape
     k_free = {t for a, lab in enumerate(k_labels) for t in lab
-              if t[0] == kside and (k_shape[a] != 1 or t in key_tokens)}
+              if t[0] == kside and (k_node.shape[a] != 1 or t in key_tokens)}
     if k_free != key_tokens:
         raise _Reject("K has a free axis the softmax does not run over")
     if any(logits_labels[a] != key_tokens for a in reduced if m["exp"].shape[a] != 1):
         raise _Reject("the softmax's sum merges the key axis with another")
-    (key_token,) = key_tokens
+    return _KeyAxis(score_labels, logits_labels, key_tokens, "r" if kside == "l" else "l",
+                    kside, q_node, k_node, q_labels, k_labels)
 
-    # The second contraction is over that same key axis, and only over it.
-    probs_links = m["probs_path"]
-    probs_labels = _follow(probs_links, logits_labels)
+
+def _value_dot(m: dict, keys: _KeyAxis) -> _ValueDot:
+    """The second contraction is over the key axis, and only over it.
+
+    Follows the softmax input's labels down to the probabilities the value dot reads, checks
+    what it contracts, and labels V ([B, Lk, Hkv, Dv] in any layout: its contracted and batch
+    axes take the probabilities' labels, its other axes are the value head dim) and the
+    output ([B, Lq, Hq, Dv]) from them."""
+    out, probs_links = m["out"], m["probs_path"]
+    probs_labels = _follow(probs_links, keys.logits_labels)
     p_top = probs_links[0].node if probs_links else m["probs"]
     p_at = 0 if out.inputs[0] is p_top else 1
     od = out.params
@@ -376,9 +504,10 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
                            else (od["rhs_batch"], od["rhs_contract"]))
     v_batch, v_contract = ((od["rhs_batch"], od["rhs_contract"]) if p_at == 0
                            else (od["lhs_batch"], od["lhs_contract"]))
-    if {t for a in p_contract for t in probs_labels[a]} != key_tokens:
+    if {t for a in p_contract for t in probs_labels[a]} != keys.key_tokens:
         raise _Reject("the second dot does not contract the key axis the softmax runs over")
-    if any(key_token in probs_labels[a] for a in range(len(probs_labels)) if a not in p_contract):
+    if any(keys.key_token in probs_labels[a] for a in range(len(probs_labels))
+           if a not in p_contract):
         raise _Reject("the key axis survives the second dot")
     v_node = out.inputs[1 - p_at]
     v_labels = []
@@ -391,7 +520,6 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
             v_labels.append(axes.EMPTY)
         else:
             v_labels.append(frozenset({("dv", a)}))
-    v_labels = tuple(v_labels)
     p_free = [a for a in range(len(probs_labels)) if a not in p_batch + p_contract]
     v_free = [a for a in range(len(v_labels)) if a not in v_batch + v_contract]
     if p_at == 0:
@@ -400,35 +528,49 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     else:
         out_labels = tuple([v_labels[a] for a in v_batch] + [v_labels[a] for a in v_free]
                            + [probs_labels[a] for a in p_free])
+    return _ValueDot(probs_labels, v_node, tuple(v_labels), out_labels)
 
-    # Q decides which batch axis holds the heads and which free axis the query length.
-    q_node = scores.inputs[1] if kside == "l" else scores.inputs[0]
-    k_node = scores.inputs[0] if kside == "l" else scores.inputs[1]
-    q_entry, q_entry_labels, q_scale = _trace(q_node, q_labels, qside, None)
+
+def _operands(m: dict, keys: _KeyAxis, value_dot: _ValueDot) -> _Operands:
+    """q, k and v traced back to where the site starts (`_trace`), their axes named from Q's
+    (`_query_axes`: which batch axis holds the heads, which free axis the query length), and
+    checked to line up as attention: q [B, Lq, Hq, D], k [B, Lk, Hkv, D] and
+    v [B, Lk, Hkv, Dv], with Hq a multiple of Hkv."""
+    qside = keys.qside
+    q_entry, q_entry_labels, q_scale = _trace(keys.q_node, keys.q_labels, qside, None)
     qlen_token, head_token, parts = _query_axes(q_entry, q_entry_labels, qside)
-    roles = _Roles(qside, kside, qlen_token, head_token, parts)
+    roles = _Roles(qside, keys.kside, qlen_token, head_token, parts)
 
-    k_entry, k_entry_labels, k_scale = _trace(k_node, k_labels, qside, head_token)
-    v_entry, v_entry_labels, v_scale = _trace(v_node, v_labels, qside, head_token)
+    k_entry, k_entry_labels, k_scale = _trace(keys.k_node, keys.k_labels, qside, head_token)
+    v_entry, v_entry_labels, v_scale = _trace(value_dot.v_node, value_dot.v_labels, qside,
+                                              head_token)
     q_layout = roles.layout(q_entry.shape, q_entry_labels, "BLHD")
     k_layout = roles.layout(k_entry.shape, k_entry_labels, "BKHD")
     v_layout = roles.layout(v_entry.shape, v_entry_labels, "BKHE")
-    out_layout = roles.layout(out.shape, out_labels, "BLHE")
-    b, lq, hq, d = q_layout.canonical
+    out_layout = roles.layout(m["out"].shape, value_dot.out_labels, "BLHE")
+    b, _, hq, d = q_layout.canonical
     bk, lk, hkv, dk = k_layout.canonical
-    bv, lv, hv, dv = v_layout.canonical
+    bv, lv, hv, _ = v_layout.canonical
     if (bk, dk) != (b, d) or (bv, lv, hv) != (b, lk, hkv) or hkv == 0 or hq % hkv:
         raise _Reject(f"q [B={b}, H={hq}, D={d}], k [B={bk}, L={lk}, H={hkv}, D={dk}] and v "
                       f"[B={bv}, L={lv}, H={hv}] do not line up as attention")
+    return _Operands(roles, Operand(q_entry, q_layout), Operand(k_entry, k_layout),
+                     Operand(v_entry, v_layout), out_layout, q_scale, k_scale, v_scale)
 
-    scale = q_scale * k_scale
-    masks, steps, beside = [], [], []
-    drawn_keep: set[int] = set()  # post-softmax where-masks drawn from random bits
-    selects = []  # (predicate, keep_when, layout) of each select hiding logits
-    biases = sum(link.kind == "bias" for link in logits_links)
-    masked, exact_step = False, None  # exact_step: a bias read as a mask, as the bias it is
-    last = None  # "sinks" or "shift" once one is seen: only layout ops (and a shift) follow
-    for at, link in reversed(list(enumerate(logits_links))):  # program order
+
+def _read_logits(labelled: _Labelled, scale: float) -> _LogitsRead:
+    """The steps between the scores and the softmax, each read by its kind's handler in
+    program order, from the scores' `scale` (q's and k's constant factors).
+
+    After a sink column only layout ops and a shift by the row max follow, and after that
+    shift only layout ops."""
+    links = labelled.m["logits_path"]
+    read = _LogitsRead(scale)
+    # The one bias of a chain with no mask before it (a mask's fill plus F would be another
+    # hidden logit) may read as a mask.
+    biases, masked = sum(link.kind == "bias" for link in links), False
+    last = None  # "sinks" or "shift" once one is seen
+    for at, link in reversed(list(enumerate(links))):  # program order
         node = link.node
         if last is not None and link.kind != "layout" and (last, link.kind) != ("sinks",
                                                                                 "shift"):
@@ -436,191 +578,269 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
                      else "the logits are shifted by their row max")
             raise _Reject(f"a {link.kind} step after {where}")
         if link.kind == "sinks":
-            labels_here = _follow(logits_links[at + 1:], score_labels)
-            axis = node.params.get("axis")
-            side = link.sides[0]
-            if axis is None or labels_here[axis] != key_tokens or side.shape[axis] != 1:
-                raise _Reject("a concatenate between the scores and the softmax that adds "
-                              "other than one logit column along the keys")
-            if _depends_on(side, scores, position):
-                raise _Reject("sink logits computed from the scores themselves")
-            term = MaskTerm("sinks", node, side, _broadcast_shape(side, len(node.shape)),
-                            roles.layout(node.shape, labels_here, "BHLK"))
-            if "Q" in (_varying_axes([term]) or ""):
-                raise _Reject("sink logits that vary along the queries")
-            beside.append(term)
+            read.beside.append(_sinks_term(labelled, link, links[at + 1:]))
             last = "sinks"
         elif link.kind == "shift":
-            shifted, row_max = m["shifted"], m["shift_max"]
-            labels_in = _labels_on_chain(shifted, scores, score_labels, logits_links)
-            if (strip(shifted, LAYOUT_OPS) is not strip(node.inputs[0], LAYOUT_OPS)
-                    or frozenset().union(*(labels_in[a] for a in row_max.params["axes"]))
-                    != key_tokens):
-                raise _Reject("the logits are shifted by a max over other axes than the keys")
+            _check_shift(labelled, link)
             last = "shift"
         elif link.kind == "softcap":
-            steps.append(LogitStep("softcap", node.dtype))
+            read.steps.append(LogitStep("softcap", node.dtype))
         elif link.kind == "scale":
             value = uniform_value(link.sides[0])
-            scale = scale * value if node.op == "mul" else scale / value
-            steps.append(LogitStep("scale", node.dtype, node.op, value))
+            read.scale = read.scale * value if node.op == "mul" else read.scale / value
+            read.steps.append(LogitStep("scale", node.dtype, node.op, value))
         elif link.kind in ("bias", "mask"):
-            labels_here = _follow(logits_links[at + 1:], score_labels)
-            # The one bias of a chain with no mask before it (a mask's fill plus F would be
-            # another hidden logit) may read as a mask.
-            read_as_mask = (_bias_as_mask(link, labels_here, roles, position, scores)
-                            if link.kind == "bias" and biases == 1 and not masked else None)
+            _read_mask_step(labelled, link, links[at + 1:], read,
+                            may_read_as_mask=link.kind == "bias" and biases == 1 and not masked)
             masked = masked or link.kind == "mask"
-            if link.kind == "mask":
-                selects.append((link.sides[0], (link.chain_input == 1,
-                                                roles.layout(node.shape, labels_here, "BHLK"))))
-            if read_as_mask:
-                exact = _mask_term(link, labels_here, roles)
-                beside.append(dataclasses.replace(exact, kind="exact_bias"))
-                exact_step = LogitStep("bias", node.dtype, term=exact)
-                for term in read_as_mask:
-                    masks.append(term)
-                    steps.append(LogitStep("mask", node.dtype, term=term))
-                continue
-            for term in (_conjuncts(link, labels_here, roles, position, scores)
-                         or [_mask_term(link, labels_here, roles)]):
-                masks.append(term)
-                steps.append(LogitStep(link.kind, node.dtype, term=term))
         elif node.op in ("convert", "reduce_precision"):
-            steps.append(LogitStep("cast", node.dtype))
-    # A constant V is scaled by (dequantizing a fake-quantized V) scales the output alike.
-    multipliers, out_factor = [], v_scale
-    sinks = next((t for t in beside if t.kind == "sinks"), None)
+            read.steps.append(LogitStep("cast", node.dtype))
+    return read
+
+
+def _sinks_term(labelled: _Labelled, link: Link, below: tuple[Link, ...]) -> MaskTerm:
+    """The logit column a concatenate adds along the keys (attention sinks): exactly one
+    column, not computed from the scores, and the same for every query (its operand
+    broadcasts to [B, H, 1, 1] in "BHQK" terms). `below`: the logits chain's links before
+    it."""
+    node, side = link.node, link.sides[0]
+    labels = _follow(below, labelled.keys.score_labels)
+    axis = node.params.get("axis")
+    if axis is None or labels[axis] != labelled.keys.key_tokens or side.shape[axis] != 1:
+        raise _Reject("a concatenate between the scores and the softmax that adds "
+                      "other than one logit column along the keys")
+    if _depends_on(side, labelled.scores, labelled.position):
+        raise _Reject("sink logits computed from the scores themselves")
+    term = MaskTerm("sinks", node, side, _broadcast_shape(side, len(node.shape)),
+                    labelled.roles.layout(node.shape, labels, "BHLK"))
+    if "Q" in (_varying_axes([term]) or ""):
+        raise _Reject("sink logits that vary along the queries")
+    return term
+
+
+def _check_shift(labelled: _Labelled, link: Link) -> None:
+    """`x - stop_gradient(max(x))` is a no-op before a softmax that shifts again only where
+    the max is over x's own keys: x is what the step subtracts from, read through layout ops
+    only, and the max reduces the key axis of the labels it carries there."""
+    m, keys = labelled.m, labelled.keys
+    shifted, row_max = m["shifted"], m["shift_max"]
+    labels_in = _labels_on_chain(shifted, labelled.scores, keys.score_labels, m["logits_path"])
+    if (strip(shifted, LAYOUT_OPS) is not strip(link.node.inputs[0], LAYOUT_OPS)
+            or frozenset().union(*(labels_in[a] for a in row_max.params["axes"]))
+            != keys.key_tokens):
+        raise _Reject("the logits are shifted by a max over other axes than the keys")
+
+
+def _read_mask_step(labelled: _Labelled, link: Link, below: tuple[Link, ...],
+                    read: _LogitsRead, may_read_as_mask: bool) -> None:
+    """A bias or mask step on the logits, as its terms in the scores' [B, H, Lq, Lk] space:
+    one per factor of an AND mask (`_conjuncts`), else the step's own (`_mask_term`); a bias
+    that `may_read_as_mask` as the mask it almost is (`_bias_as_mask`), keeping it as the
+    bias it is for where that reading fails. `below`: the logits chain's links before it."""
+    node, roles = link.node, labelled.roles
+    labels = _follow(below, labelled.keys.score_labels)
+    read_as_mask = (_bias_as_mask(link, labels, roles, labelled.position, labelled.scores)
+                    if may_read_as_mask else None)
+    if link.kind == "mask":
+        read.selects.append((link.sides[0], (link.chain_input == 1,
+                                             roles.layout(node.shape, labels, "BHLK"))))
+    if read_as_mask:
+        exact = _mask_term(link, labels, roles)
+        read.beside.append(dataclasses.replace(exact, kind="exact_bias"))
+        read.exact_step = LogitStep("bias", node.dtype, term=exact)
+        for term in read_as_mask:
+            read.masks.append(term)
+            read.steps.append(LogitStep("mask", node.dtype, term=term))
+        return
+    for term in (_conjuncts(link, labels, roles, labelled.position, labelled.scores)
+                 or [_mask_term(link, labels, roles)]):
+        read.masks.append(term)
+        read.steps.append(LogitStep(link.kind, node.dtype, term=term))
+
+
+def _read_probs(labelled: _Labelled, selects: list[tuple[Node, tuple[bool, Layout]]],
+                sinks: MaskTerm | None, v_scale: float) -> _ProbsRead:
+    """The steps between the softmax and the value dot, each read by its kind's handler in
+    program order, from the output's scale `v_scale` (a constant V is scaled by, as when
+    dequantizing a fake-quantized V, scales the output alike).
+
+    Where a sink column was concatenated (`sinks`), the probabilities change only after its
+    slice drops it, and it must be dropped."""
+    links = labelled.m["probs_path"]
+    read = _ProbsRead(v_scale)
     dropped = False
-    for at, link in reversed(list(enumerate(probs_links))):
+    for at, link in reversed(list(enumerate(links))):
         if link.kind == "drop_sinks":
-            _check_sink_slice(link.node, _follow(probs_links[at + 1:], logits_labels),
-                              key_tokens, sinks)
+            _check_sink_slice(link.node, _follow(links[at + 1:], labelled.keys.logits_labels),
+                              labelled.keys.key_tokens, sinks)
             dropped = True
             continue
         if link.kind in ("post", "post_mask") and sinks is not None and not dropped:
             raise _Reject("the probabilities are changed before the sink column is dropped")
         if link.kind == "post_mask":
-            pred = link.sides[0]
-            if _depends_on(pred, scores, position):
-                raise _Reject("a where(mask, p, 0) after the softmax whose mask is computed "
-                              "from the scores")
-            labels_here = _follow(probs_links[at + 1:], logits_labels)
-            if drawn_from_bits(pred):  # Keras' dropout: select(keep, p / keep_prob, 0)
-                drawn_keep.add(id(link.node))
-            layout, keep_when = (roles.layout(link.node.shape, labels_here, "BHLK"),
-                                 link.chain_input == 1)
-            beside.append(MaskTerm("post", link.node, pred,
-                                   _broadcast_shape(pred, len(link.node.shape)), layout,
-                                   keep_when=keep_when,
-                                   repeats=any(_same_value(pred, p) and (keep_when, layout) == k
-                                               for p, k in selects)))
-            continue
-        if link.kind != "post":
-            continue
-        (factor,) = link.sides
-        if _depends_on(factor, scores, position):
-            raise _Reject("the probabilities are multiplied by a value computed from them")
-        constant = uniform_value(factor)
-        if constant is not None:
-            if link.node.op == "div":
-                constant = 1.0 / constant
-            if not (math.isfinite(constant) and constant != 0.0):
-                raise _Reject(f"a scale by {constant:g} after the softmax (the output is not "
-                              "the probabilities' weighted values scaled by it)")
-            out_factor *= constant  # 1.0 (an all-ones head mask) leaves it as it is
-            continue
-        labels_here = _follow(probs_links[at + 1:], logits_labels)
-        shape = _broadcast_shape(factor, len(link.node.shape))
-        if any(key_token in labels_here[a] and n != 1 for a, n in enumerate(shape)):
-            if not from_bits(factor):
-                raise _Reject("the probabilities are multiplied by a tensor that varies along "
-                              "the keys and is not a scaled boolean (dropout's keep / keep_prob)")
-            beside.append(MaskTerm("dropout", link.node, factor, shape,
-                                   roles.layout(link.node.shape, labels_here, "BHLK")))
-            continue
-        multipliers.append(Multiplier(link.node, factor, shape,
-                                      roles.layout(link.node.shape, labels_here, "BHLK")))
+            _read_post_mask(labelled, link, links[at + 1:], selects, read)
+        elif link.kind == "post":
+            _read_post_factor(labelled, link, links[at + 1:], read)
     if sinks is not None and not dropped:
         raise _Reject("the sink column's probability is not dropped before the value dot")
-    # What the scores are effectively scaled by: also constant factors q or k took before
-    # the reshape that split their heads (GPT-Neo multiplies q by √d, and flax then divides
-    # by it). The kernel reads q and k after that reshape, so only the report counts them.
-    before_split = _scale_before_split(q_entry) * _scale_before_split(k_entry)
-    has_scale = (q_scale != 1.0 or k_scale != 1.0 or before_split != 1.0
-                 or any(link.kind == "scale" for link in logits_links))
-    chain = replay(steps)
-    if exact_step is not None:
-        # Where the mask reading fails (replay refuses it, or lower's run-time check), the
-        # chain as the program writes it.
-        exact_steps, placed = [], False
-        for t in steps:
-            if t.term is not None and t.term.rounds_to_fill:
-                if not placed:
-                    exact_steps.append(exact_step)
-                placed = True
-                continue
-            exact_steps.append(t)
-        exact = replay(exact_steps)
+    return read
+
+
+def _read_post_mask(labelled: _Labelled, link: Link, below: tuple[Link, ...],
+                    selects: list[tuple[Node, tuple[bool, Layout]]], read: _ProbsRead) -> None:
+    """`where(mask, p, 0)` after the softmax, as a "post" term in the probabilities'
+    [B, H, Lq, Lk] space: its mask not computed from the scores; drawn from random bits it
+    is Keras' dropout (`select(keep, p / keep_prob, 0)`); one of the `selects` on the logits
+    again, it only repeats them. `below`: the probabilities' links before it."""
+    pred = link.sides[0]
+    if _depends_on(pred, labelled.scores, labelled.position):
+        raise _Reject("a where(mask, p, 0) after the softmax whose mask is computed "
+                      "from the scores")
+    labels = _follow(below, labelled.keys.logits_labels)
+    if drawn_from_bits(pred):
+        read.drawn_keep.add(id(link.node))
+    layout, keep_when = (labelled.roles.layout(link.node.shape, labels, "BHLK"),
+                         link.chain_input == 1)
+    read.beside.append(MaskTerm("post", link.node, pred,
+                                _broadcast_shape(pred, len(link.node.shape)), layout,
+                                keep_when=keep_when,
+                                repeats=any(_same_value(pred, p) and (keep_when, layout) == k
+                                            for p, k in selects)))
+
+
+def _read_post_factor(labelled: _Labelled, link: Link, below: tuple[Link, ...],
+                      read: _ProbsRead) -> None:
+    """`p * factor` or `p / constant` after the softmax, not computed from the
+    probabilities: a nonzero finite constant the output takes instead; a factor varying
+    along the keys only as dropout's scaled boolean (a "dropout" term); any other, constant
+    along the keys ([B, H, Lq, 1] in the probabilities' space), a `Multiplier`. `below`: the
+    probabilities' links before it."""
+    node, (factor,) = link.node, link.sides
+    if _depends_on(factor, labelled.scores, labelled.position):
+        raise _Reject("the probabilities are multiplied by a value computed from them")
+    constant = uniform_value(factor)
+    if constant is not None:
+        if node.op == "div":
+            constant = 1.0 / constant
+        if not (math.isfinite(constant) and constant != 0.0):
+            raise _Reject(f"a scale by {constant:g} after the softmax (the output is not "
+                          "the probabilities' weighted values scaled by it)")
+        read.out_factor *= constant  # 1.0 (an all-ones head mask) leaves it as it is
+        return
+    labels = _follow(below, labelled.keys.logits_labels)
+    shape = _broadcast_shape(factor, len(node.shape))
+    if any(labelled.keys.key_token in labels[a] and n != 1 for a, n in enumerate(shape)):
+        if not from_bits(factor):
+            raise _Reject("the probabilities are multiplied by a tensor that varies along "
+                          "the keys and is not a scaled boolean (dropout's keep / keep_prob)")
+        read.beside.append(MaskTerm("dropout", node, factor, shape,
+                                    labelled.roles.layout(node.shape, labels, "BHLK")))
+        return
+    read.multipliers.append(Multiplier(node, factor, shape,
+                                       labelled.roles.layout(node.shape, labels, "BHLK")))
+
+
+def _reported_scale(m: dict, operands: _Operands, scale: float) -> float | None:
+    """What the scores are effectively scaled by, None where nothing scales them: `scale`
+    and also constant factors q or k took before the reshape that split their heads (GPT-Neo
+    multiplies q by √d, and flax then divides by it). The kernel reads q and k after that
+    reshape, so only the report counts them."""
+    before_split = (_scale_before_split(operands.q.node)
+                    * _scale_before_split(operands.k.node))
+    has_scale = (operands.q_scale != 1.0 or operands.k_scale != 1.0 or before_split != 1.0
+                 or any(link.kind == "scale" for link in m["logits_path"]))
+    return scale * before_split if has_scale else None
+
+
+def _logits_chain(read: _LogitsRead) -> tuple[Logits, list[MaskTerm], list[MaskTerm]]:
+    """What the logits steps compute in kernel terms (`replay`), the terms on the logits as
+    that reading makes them (an additive causal constant that does not end -inf is an
+    additive bias), and the terms beside the logits.
+
+    Where a bias was read as a mask and that reading fails (replay refuses it, or lower's
+    run-time check), the chain as the program writes it: the bias in place of the mask."""
+    chain = replay(read.steps)
+    masks, beside = read.masks, read.beside
+    if read.exact_step is not None:
+        exact = replay(_as_written(read.steps, read.exact_step))
         if chain.refusal is not None:
             chain = exact
         elif chain.checks:
             chain = dataclasses.replace(chain, exact=exact)
         if chain is exact:
-            masks = [t for t in masks if not t.rounds_to_fill] + [exact_step.term]
+            masks = [t for t in masks if not t.rounds_to_fill] + [read.exact_step.term]
             beside = [t for t in beside if t.kind != "exact_bias"]
     if chain.refusal is None:
-        # What the chain makes of each term: an additive causal constant that does not end
-        # -inf is an additive bias.
         masks = [t for t, _ in chain.biases] + list(chain.masks)
-    kinds = [t.kind for t in masks]
-    masks += beside
+    return chain, list(masks), list(beside)
+
+
+def _as_written(steps: list[LogitStep], exact_step: LogitStep) -> list[LogitStep]:
+    """`steps` with the terms read from a bias as a mask replaced by that bias, once."""
+    written, placed = [], False
+    for t in steps:
+        if t.term is not None and t.term.rounds_to_fill:
+            if not placed:
+                written.append(exact_step)
+            placed = True
+            continue
+        written.append(t)
+    return written
+
+
+def _attention_site(m: dict, function: str, operands: _Operands, scale: float | None,
+                    chain: Logits, logit_masks: list[MaskTerm], beside: list[MaskTerm],
+                    probs: _ProbsRead) -> AttentionSite:
+    """The site as reported: sizes from the canonical layouts ([B, Lq, Hq, D] of q,
+    [B, Lk, Hkv, D] of k, Dv of v), the mask kind the logits' terms (`logit_masks`) or the
+    chain's band make it, and the terms `beside` the logits."""
+    scores, out = m["scores"], m["out"]
+    b, lq, hq, d = operands.q.layout.canonical
+    _, lk, hkv, _ = operands.k.layout.canonical
+    dv = operands.v.layout.canonical[3]
+    kinds = [t.kind for t in logit_masks]
+    masks = logit_masks + beside
     kind = next((k for k in ("additive", "boolean", "causal") if k in kinds), "none")
     window = chain.window if chain.refusal is None else None
     if kind == "none" and window is not None:
         kind = "causal" if chain.causal else "local"
     reported = next((t for t in masks if t.kind == kind), None)
-    internals = {name: m[name] for name in ("scores", "logits", "row_max", "exp", "row_sum",
-                                           "probs") if name in m}
-    site = AttentionSite(
+    drawn_keep = probs.drawn_keep
+    return AttentionSite(
         batch=b, q_len=lq, kv_len=lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-        v_head_dim=dv, dtype=_compute_dtype(*scores.inputs, *out.inputs), scale=scale * before_split if has_scale else None,
+        v_head_dim=dv, dtype=_compute_dtype(*scores.inputs, *out.inputs), scale=scale,
         mask=kind,
         mask_shape=reported.shape if reported is not None and kind in ("additive", "boolean")
         else None,
         mask_fill=chain.fill if chain.refusal is None and chain.masks else None,
         mask_axes=_varying_axes([t for t in masks if t.kind in ("additive", "boolean")]),
-        multiplier_shape=multipliers[0].shape if multipliers else None,
+        multiplier_shape=probs.multipliers[0].shape if probs.multipliers else None,
         softcap=chain.softcap,
         post_mask=any(t.kind == "post" and id(t.at) not in drawn_keep and not t.repeats
                       for t in beside),
         dropout=any(t.kind == "dropout" or id(t.at) in drawn_keep for t in beside),
-        out_scale=None if out_factor == 1.0 else out_factor,
-        sinks=sinks is not None, window=window,
+        out_scale=None if probs.out_factor == 1.0 else probs.out_factor,
+        sinks=any(t.kind == "sinks" for t in beside), window=window,
         segments=any(t.kind == "segment_q" for t in masks),
-        q_shape=q_entry.shape, k_shape=k_entry.shape, v_shape=v_entry.shape,
-        layout=q_layout.roles, softmax_dtype=m["exp"].dtype, function=function,
-        source=scores.source or out.source,
+        q_shape=operands.q.node.shape, k_shape=operands.k.node.shape,
+        v_shape=operands.v.node.shape, layout=operands.q.layout.roles,
+        softmax_dtype=m["exp"].dtype, function=function, source=scores.source or out.source,
     )
-    stops = {id(n) for n in (q_entry, k_entry, v_entry)}
+
+
+def _site_bounds(m: dict, operands: _Operands) -> tuple[set[int], set[int]]:
+    """(ids of the nodes the site's body stops at: its operands; ids of the subtractions whose
+    second operand only shifts the softmax: exp(x - max(x)), and x - stop_gradient(max(x))
+    before it)."""
+    logits_links, probs_links = m["logits_path"], m["probs_path"]
+    stops = {id(o.node) for o in (operands.q, operands.k, operands.v)}
     # A shift's row max is computed from the logits: part of the site, not an operand.
     stops |= {id(s) for link in (*logits_links, *probs_links) if link.kind != "shift"
               for s in link.sides}
-    # The subtractions whose second operand only shifts the softmax: exp(x - max(x)), and
-    # x - stop_gradient(max(x)) before it.
     shifts = {id(link.node) for link in logits_links if link.kind == "shift"}
     if "row_max" in m:
         shifts.add(id(m["exp"].inputs[0]))
-    return Match(
-        site=site,
-        q=Operand(q_entry, q_layout),
-        k=Operand(k_entry, k_layout),
-        v=Operand(v_entry, v_layout),
-        out=out, out_layout=out_layout, scale=scale, masks=tuple(masks), steps=tuple(steps),
-        logits=chain, multipliers=tuple(multipliers), body=_body(out, stops),
-        internals=internals, out_factor=out_factor,
-        unreproduced=exactness.refusal(out, stops, shifts, site.dtype),
-    )
+    return stops, shifts
 
 
 def _compute_dtype(*dotted: Node) -> str:

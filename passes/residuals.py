@@ -257,124 +257,43 @@ def _scan(eqn: jaxcompat.JaxprEqn, step, init: list, xs: list) -> tuple[list, li
     return list(carry), list(ys)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How a loop pair runs once its sites move: the forward loop (`fwd`) returns its body's
+    kept outputs (`f_new`: the carry, the stacked outputs at `kept`, then `extra`), and the
+    backward loop (`bwd`) recomputes the moved equations (`recomputes`: their inputs and a
+    jaxpr of them) in its body from what it reads of the forward loop."""
+
+    fwd: jaxcompat.JaxprEqn
+    bwd: jaxcompat.JaxprEqn
+    f_new: jaxcompat.Jaxpr
+    kept: list[int]  # forward loop outputs past the carry still returned
+    # Forward loop outputs no longer returned, to the forward body variable each stacked.
+    stacked: dict
+    held: dict  # backward operand index -> the forward body variable it held
+    invariant: list  # the forward body's loop-invariant operands
+    own_consts: dict  # the forward body's constants, by variable
+    slices: dict  # forward body variable -> index of the scanned forward operand it slices
+    # Moved inputs the backward body reads as it is: a forward body variable -> the index of
+    # the backward operand holding it, stacked (`scanned`) or scanned from the same array
+    # (`shared`).
+    scanned: dict
+    shared: dict
+    extra: list  # moved inputs the forward loop returns stacked anew
+    sliced: list  # moved inputs the backward loop slices anew from the forward's operand
+    recomputes: list[tuple[tuple, jaxcompat.Jaxpr]]
+    b_scanned: list[int]  # the backward loop's scanned operands it still reads
+
+
 def _recompute(closed: jaxcompat.ClosedJaxpr, loops: _Loops) -> jaxcompat.ClosedJaxpr:
+    """`closed` with the loop pair `loops` re-traced: the forward loop returning its moved
+    sites' inputs instead of their intermediates, the backward loop recomputing those."""
     jaxpr = jaxpr_at(closed, loops.level)
-    fwd, bwd = jaxpr.eqns[loops.forward], jaxpr.eqns[loops.backward]
-    f_consts, f_carry, _ = jaxcompat.scan_groups(fwd)
-    b_consts, b_carry, _ = jaxcompat.scan_groups(bwd)
-    f_body, b_body = fwd.params["jaxpr"], bwd.params["jaxpr"]
-    invariant = f_body.jaxpr.invars[:f_consts]
-    # The forward loop's scanned operands, by the body variable that reads their slices.
-    slices = {v: f_consts + f_carry + n
-              for n, v in enumerate(f_body.jaxpr.invars[f_consts + f_carry:])}
-    own_consts = dict(zip(f_body.jaxpr.constvars, f_body.consts))
-
-    # Forward body outputs no longer returned, and what the backward body reads in their
-    # place: for each of its operands at such an output, the intermediate it held.
-    leaving = frozenset().union(*(m.leaving for m in loops.moved))
-    recomputable = frozenset().union(*(m.recomputable for m in loops.moved))
-    # A recomputed producer's value stops being saved where only the backward loop's
-    # scanned operands read it.
-    read_elsewhere = _vars([*jaxpr.outvars, *bwd.invars[:b_consts + b_carry], *(
-        u for n, e in enumerate(jaxpr.eqns) if n != loops.backward for u in e.invars)])
-    dropped = {p for p, v in enumerate(f_body.jaxpr.outvars) if v in leaving or (
-        p >= f_carry and v in recomputable and fwd.outvars[p] not in read_elsewhere)}
-    stacked = {fwd.outvars[p]: f_body.jaxpr.outvars[p] for p in dropped}
-    held = {q: stacked[v] for q, v in enumerate(bwd.invars) if v in stacked}
-    # The moved equations' inputs, as the backward loop reads them: the forward loop's own
-    # operands (loop-invariant, or scanned alike), stacked outputs it already scans, or new
-    # stacked outputs (`extra`).
-    scanned = {f_body.jaxpr.outvars[p]: bwd.invars.index(fwd.outvars[p])
-               for p in range(f_carry, len(fwd.outvars))
-               if p not in dropped and fwd.outvars[p] in bwd.invars[b_consts + b_carry:]}
-    # A forward operand the backward loop scans too (jax passes q, k, v read from outside
-    # the loop to both): the recompute reads the backward body's own slice of it, the
-    # variable its derivative reads, not a second slice of the same array.
-    b_xs = {v: q for q in range(b_consts + b_carry, len(bwd.invars))
-            if q not in held and not isinstance(v := bwd.invars[q], jaxcompat.Literal)}
-    shared = {}
-    recomputes, extra, sliced = [], [], []
-    for m in loops.moved:
-        for v in m.inputs:
-            if v in slices and not isinstance(fwd.invars[slices[v]], jaxcompat.Literal) \
-                    and fwd.invars[slices[v]] in b_xs:
-                shared[v] = b_xs[fwd.invars[slices[v]]]
-            elif v in slices:
-                sliced.append(v)
-            elif v not in invariant and v not in own_consts and v not in scanned:
-                extra.append(v)
-        wanted = [*dict.fromkeys(v for v in held.values()
-                                 if v in m.leaving or v in m.recomputable), m.site.out]
-        recomputes.append((m.inputs, f_body.jaxpr.replace(
-            constvars=[], invars=list(m.inputs), outvars=wanted,
-            eqns=[f_body.jaxpr.eqns[i] for i in m.eqns])))
-    extra, sliced = list(dict.fromkeys(extra)), list(dict.fromkeys(sliced))
-    kept = [p for p in range(f_carry, len(fwd.outvars)) if p not in dropped]
-    f_new = f_body.jaxpr.replace(
-        outvars=[*f_body.jaxpr.outvars[:f_carry], *(f_body.jaxpr.outvars[p] for p in kept),
-                 *extra])
-    # What only the dropped outputs read goes with them.
-    f_new, _ = jaxcompat.dce_jaxpr(f_new, [True] * len(f_new.outvars), instantiate=True)
-    b_scanned = [q for q in range(b_consts + b_carry, len(bwd.invars)) if q not in held]
-
-    def forward(values: list) -> tuple[list, list]:
-        def step(carry, x):
-            outs = jaxcompat.eval_jaxpr(f_new, f_body.consts, *values[:f_consts], *carry, *x)
-            return outs[:f_carry], outs[f_carry:]
-
-        carry, ys = _scan(fwd, step, values[f_consts:f_consts + f_carry],
-                          values[f_consts + f_carry:])
-        outs: list = [*carry, *([None] * (len(fwd.outvars) - f_carry))]
-        for p, y in zip(kept, ys):
-            outs[p] = y
-        return outs, ys[len(kept):]
-
-    def backward(values: list, outer: list, extras: list) -> list:
-        """`outer`: the forward loop's operands; `extras`: its new stacked outputs."""
-        def step(carry, x):
-            operands = list(values)
-            operands[b_consts:b_consts + b_carry] = carry
-            for q, value in zip(b_scanned, x):
-                operands[q] = value
-            known = {**own_consts, **dict(zip(invariant, outer))}
-            known.update((v, operands[q]) for v, q in (*scanned.items(), *shared.items()))
-            known.update(zip([*extra, *sliced], x[len(b_scanned):]))
-            with jax.named_scope(RECOMPUTED):
-                for inputs, body in recomputes:
-                    known.update(zip(body.outvars, jaxcompat.eval_jaxpr(
-                        body, (), *(known[v] for v in inputs))))
-            for q, v in held.items():
-                operands[q] = known[v]
-            outs = jaxcompat.eval_jaxpr(b_body.jaxpr, b_body.consts, *operands)
-            return outs[:b_carry], outs[b_carry:]
-
-        carry, ys = _scan(bwd, step, values[b_consts:b_consts + b_carry],
-                          [*(values[q] for q in b_scanned), *extras,
-                           *(outer[slices[v]] for v in sliced)])
-        return [*carry, *ys]
-
+    plan = _plan(jaxpr, loops)
     consts = closed.consts if not loops.level else []
 
     def program(*args):
-        env = dict(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, args))
-
-        def read(v):
-            return v.val if isinstance(v, jaxcompat.Literal) else env[v]
-
-        extras: list = []
-        for n, eqn in enumerate(jaxpr.eqns):
-            if n == loops.forward:
-                outs, extras = forward([read(v) for v in eqn.invars])
-            elif n == loops.backward:
-                # The operands it reads of the dropped outputs are recomputed in its body.
-                outs = backward([None if _vars([v]) & stacked.keys() else read(v)
-                                 for v in eqn.invars],
-                                [read(u) for u in fwd.invars], extras)
-            else:
-                outs = tracing.evaluate(jaxpr, eqn, env)
-            env.update((v, o) for v, o in zip(eqn.outvars, outs) if o is not None)
-        return [read(v) for v in jaxpr.outvars]
+        return _run_pair(jaxpr, consts, loops, plan, args)
 
     if not loops.level:
         return tracing.trace(None, program, closed.in_avals, closed.out_avals)
@@ -386,6 +305,165 @@ def _recompute(closed: jaxcompat.ClosedJaxpr, loops: _Loops) -> jaxcompat.Closed
     if traced.consts:
         raise tracing.TraceError("the re-traced loops close over constants")
     return closed.replace(jaxpr=_replaced(closed.jaxpr, loops.level, traced.jaxpr))
+
+
+def _plan(jaxpr: jaxcompat.Jaxpr, loops: _Loops) -> _Plan:
+    """What the loop pair at `loops` in `jaxpr` drops, keeps and recomputes."""
+    fwd, bwd = jaxpr.eqns[loops.forward], jaxpr.eqns[loops.backward]
+    f_consts, f_carry, _ = jaxcompat.scan_groups(fwd)
+    b_consts, b_carry, _ = jaxcompat.scan_groups(bwd)
+    f_body = fwd.params["jaxpr"].jaxpr
+    dropped = _dropped(jaxpr, loops)
+    stacked = {fwd.outvars[p]: f_body.outvars[p] for p in dropped}
+    # For each backward operand at a dropped output, the intermediate it held.
+    held = {q: stacked[v] for q, v in enumerate(bwd.invars) if v in stacked}
+    # Forward body values the backward loop already scans, by its operand index.
+    scanned = {f_body.outvars[p]: bwd.invars.index(fwd.outvars[p])
+               for p in range(f_carry, len(fwd.outvars))
+               if p not in dropped and fwd.outvars[p] in bwd.invars[b_consts + b_carry:]}
+    # The forward loop's scanned operands, by the body variable that reads their slices.
+    slices = {v: f_consts + f_carry + n
+              for n, v in enumerate(f_body.invars[f_consts + f_carry:])}
+    invariant = f_body.invars[:f_consts]
+    own_consts = dict(zip(f_body.constvars, fwd.params["jaxpr"].consts))
+    shared, extra, sliced = _sources(loops, fwd, bwd, held, scanned, slices, invariant,
+                                     own_consts)
+    kept = [p for p in range(f_carry, len(fwd.outvars)) if p not in dropped]
+    f_new = f_body.replace(outvars=[*f_body.outvars[:f_carry],
+                                    *(f_body.outvars[p] for p in kept), *extra])
+    # What only the dropped outputs read goes with them.
+    f_new, _ = jaxcompat.dce_jaxpr(f_new, [True] * len(f_new.outvars), instantiate=True)
+    return _Plan(
+        fwd=fwd, bwd=bwd, f_new=f_new, kept=kept, stacked=stacked, held=held,
+        invariant=invariant, own_consts=own_consts, slices=slices, scanned=scanned,
+        shared=shared, extra=extra, sliced=sliced,
+        recomputes=[_recomputation(f_body, m, held) for m in loops.moved],
+        b_scanned=[q for q in range(b_consts + b_carry, len(bwd.invars)) if q not in held])
+
+
+def _dropped(jaxpr: jaxcompat.Jaxpr, loops: _Loops) -> set[int]:
+    """Positions of the forward body's outputs the forward loop stops returning: the moved
+    sites' intermediates, and the stacked values of producers the backward loop recomputes
+    that nothing but its scanned operands reads."""
+    fwd, bwd = jaxpr.eqns[loops.forward], jaxpr.eqns[loops.backward]
+    _, f_carry, _ = jaxcompat.scan_groups(fwd)
+    b_consts, b_carry, _ = jaxcompat.scan_groups(bwd)
+    leaving = frozenset().union(*(m.leaving for m in loops.moved))
+    recomputable = frozenset().union(*(m.recomputable for m in loops.moved))
+    read_elsewhere = _vars([*jaxpr.outvars, *bwd.invars[:b_consts + b_carry], *(
+        u for n, e in enumerate(jaxpr.eqns) if n != loops.backward for u in e.invars)])
+    return {p for p, v in enumerate(fwd.params["jaxpr"].jaxpr.outvars) if v in leaving or (
+        p >= f_carry and v in recomputable and fwd.outvars[p] not in read_elsewhere)}
+
+
+def _sources(loops: _Loops, fwd: jaxcompat.JaxprEqn, bwd: jaxcompat.JaxprEqn, held: dict,
+             scanned: dict, slices: dict, invariant: list, own_consts: dict
+             ) -> tuple[dict, list, list]:
+    """Where the backward body finds the moved equations' inputs that neither the forward
+    loop's invariant operands and constants nor its stacked outputs (`scanned`) give it:
+    (`shared`, `extra`, `sliced`) of `_Plan`."""
+    b_consts, b_carry, _ = jaxcompat.scan_groups(bwd)
+    # A forward operand the backward loop scans too (jax passes q, k, v read from outside
+    # the loop to both): the recompute reads the backward body's own slice of it, the
+    # variable its derivative reads, not a second slice of the same array.
+    b_xs = {v: q for q in range(b_consts + b_carry, len(bwd.invars))
+            if q not in held and not isinstance(v := bwd.invars[q], jaxcompat.Literal)}
+    shared, extra, sliced = {}, [], []
+    for m in loops.moved:
+        for v in m.inputs:
+            if v in slices and not isinstance(fwd.invars[slices[v]], jaxcompat.Literal) \
+                    and fwd.invars[slices[v]] in b_xs:
+                shared[v] = b_xs[fwd.invars[slices[v]]]
+            elif v in slices:
+                sliced.append(v)
+            elif v not in invariant and v not in own_consts and v not in scanned:
+                extra.append(v)
+    return shared, list(dict.fromkeys(extra)), list(dict.fromkeys(sliced))
+
+
+def _recomputation(body: jaxcompat.Jaxpr, moved: _Moved, held: dict
+                   ) -> tuple[tuple, jaxcompat.Jaxpr]:
+    """The moved equations of the forward `body` as a jaxpr of their own, from the site's
+    inputs to the intermediates the backward loop read (`held`) and the site's output."""
+    wanted = [*dict.fromkeys(v for v in held.values()
+                             if v in moved.leaving or v in moved.recomputable), moved.site.out]
+    return moved.inputs, body.replace(constvars=[], invars=list(moved.inputs), outvars=wanted,
+                                      eqns=[body.eqns[i] for i in moved.eqns])
+
+
+def _run_pair(jaxpr: jaxcompat.Jaxpr, consts: list, loops: _Loops, plan: _Plan,
+              args: Sequence) -> list:
+    """`jaxpr` evaluated on `args`, its loop pair run as `plan` says."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, jaxcompat.Literal) else env[v]
+
+    extras: list = []
+    for n, eqn in enumerate(jaxpr.eqns):
+        if n == loops.forward:
+            outs, extras = _run_forward(plan, [read(v) for v in eqn.invars])
+        elif n == loops.backward:
+            # The operands it reads of the dropped outputs are recomputed in its body.
+            outs = _run_backward(plan, [None if _vars([v]) & plan.stacked.keys() else read(v)
+                                        for v in eqn.invars],
+                                 [read(u) for u in plan.fwd.invars], extras)
+        else:
+            outs = tracing.evaluate(jaxpr, eqn, env)
+        env.update((v, o) for v, o in zip(eqn.outvars, outs) if o is not None)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _run_forward(plan: _Plan, values: list) -> tuple[list, list]:
+    """The forward loop on its operands `values`: its outputs (None where dropped), and its
+    new stacked outputs (`plan.extra`)."""
+    fwd = plan.fwd
+    f_consts, f_carry, _ = jaxcompat.scan_groups(fwd)
+
+    def step(carry, x):
+        outs = jaxcompat.eval_jaxpr(plan.f_new, fwd.params["jaxpr"].consts, *values[:f_consts],
+                                    *carry, *x)
+        return outs[:f_carry], outs[f_carry:]
+
+    carry, ys = _scan(fwd, step, values[f_consts:f_consts + f_carry],
+                      values[f_consts + f_carry:])
+    outs: list = [*carry, *([None] * (len(fwd.outvars) - f_carry))]
+    for p, y in zip(plan.kept, ys):
+        outs[p] = y
+    return outs, ys[len(plan.kept):]
+
+
+def _run_backward(plan: _Plan, values: list, outer: list, extras: list) -> list:
+    """The backward loop on its operands `values` (None where dropped), its body first
+    recomputing the moved sites under the name scope `RECOMPUTED`. `outer`: the forward
+    loop's operands; `extras`: its new stacked outputs."""
+    bwd = plan.bwd
+    b_consts, b_carry, _ = jaxcompat.scan_groups(bwd)
+    b_body = bwd.params["jaxpr"]
+
+    def step(carry, x):
+        operands = list(values)
+        operands[b_consts:b_consts + b_carry] = carry
+        for q, value in zip(plan.b_scanned, x):
+            operands[q] = value
+        known = {**plan.own_consts, **dict(zip(plan.invariant, outer))}
+        known.update((v, operands[q]) for v, q in (*plan.scanned.items(),
+                                                   *plan.shared.items()))
+        known.update(zip([*plan.extra, *plan.sliced], x[len(plan.b_scanned):]))
+        with jax.named_scope(RECOMPUTED):
+            for inputs, body in plan.recomputes:
+                known.update(zip(body.outvars, jaxcompat.eval_jaxpr(
+                    body, (), *(known[v] for v in inputs))))
+        for q, v in plan.held.items():
+            operands[q] = known[v]
+        outs = jaxcompat.eval_jaxpr(b_body.jaxpr, b_body.consts, *operands)
+        return outs[:b_carry], outs[b_carry:]
+
+    carry, ys = _scan(bwd, step, values[b_consts:b_consts + b_carry],
+                      [*(values[q] for q in plan.b_scanned), *extras,
+                       *(outer[plan.slices[v]] for v in plan.sliced)])
+    return [*carry, *ys]
 
 
 def _replaced(jaxpr: jaxcompat.Jaxpr, path: Path, new: jaxcompat.Jaxpr) -> jaxcompat.Jaxpr:
