@@ -1207,6 +1207,8 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
     `pred`'s). None when a factor depends on the scores, or (`need_band`) none is in kernel
     terms (a band or segment ids)."""
     while pred.op in ("convert", "copy", "broadcast", "reshape", "not", "compare"):
+        if pred.op == "convert" and pred.inputs[0].dtype != "bool":
+            break  # a cast from a number is the factor itself, x != 0 (Wav2Vec2's int mask)
         if pred.op == "not":
             keep, pred = not keep, pred.inputs[0]
             continue

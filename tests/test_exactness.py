@@ -254,6 +254,26 @@ def test_integer_masks_are_read_not_raised_on(logits):
     _assert_kept(fn, (Q, K, V))
 
 
+def test_an_int_frame_mask_cast_to_bool_is_the_mask_it_makes():
+    """Wav2Vec2's frame mask: an int argument cast to bool (x != 0, so -1 and 2 attend), then
+    `select(m > 0, 0, finfo.min)`: read as the boolean the cast makes, not the int."""
+    frames = jnp.asarray([[1, 2, -1, 0] * 12, [3, 0, 0, 1] * 12], jnp.int32)[:, None, None, :]
+
+    def fn(q, k, v, m):
+        keep = m.astype(bool)
+        return attention(q, k, v, logits=lambda s: s + jnp.where(
+            keep.astype(jnp.int32) > 0, 0.0, jnp.finfo(jnp.float32).min))
+    q, k, v = (jnp.concatenate([x, x * 0.5]) for x in (Q, K, V))  # two rows, two masks
+    _assert_kept(fn, (q, k, v, frames))
+    # Long enough that auto takes a TPU kernel: splash, with the frames as key padding.
+    x = jax.ShapeDtypeStruct((2, 2, 2048, 64), jnp.float32)
+    m = jax.ShapeDtypeStruct((2, 1, 1, 2048), jnp.int32)
+    (site,) = hlotool.explain(fn, x, x, x, m).sites
+    assert site.kernels["tpu"] == "splash_tpu", site.reason
+    exported = jax.export.export(hlotool.flash_jit(fn), platforms=["tpu"])(x, x, x, m)
+    assert exported.mlir_module().count("stablehlo.custom_call @tpu_custom_call") == 1
+
+
 def test_a_window_bound_computed_in_the_program_is_read_as_its_values():
     def fn(q, k, v, c):
         i, j = jnp.arange(q.shape[2])[:, None], jnp.arange(k.shape[2])[None, :]
