@@ -265,12 +265,14 @@ def test_an_int_frame_mask_cast_to_bool_is_the_mask_it_makes():
             keep.astype(jnp.int32) > 0, 0.0, jnp.finfo(jnp.float32).min))
     q, k, v = (jnp.concatenate([x, x * 0.5]) for x in (Q, K, V))  # two rows, two masks
     _assert_kept(fn, (q, k, v, frames))
-    # Long enough that auto takes a TPU kernel: splash, with the frames as key padding.
+    # On TPU splash takes it, the frames as key padding (whether auto pays for it depends
+    # on XLA:TPU's own fusion of this layout: asked by name here).
     x = jax.ShapeDtypeStruct((2, 2, 2048, 64), jnp.float32)
     m = jax.ShapeDtypeStruct((2, 1, 1, 2048), jnp.int32)
-    (site,) = hlotool.explain(fn, x, x, x, m).sites
+    (site,) = hlotool.explain(fn, x, x, x, m, kernel="splash_tpu").sites
     assert site.kernels["tpu"] == "splash_tpu", site.reason
-    exported = jax.export.export(hlotool.flash_jit(fn), platforms=["tpu"])(x, x, x, m)
+    exported = jax.export.export(hlotool.flash_jit(fn, kernel="splash_tpu"),
+                                 platforms=["tpu"])(x, x, x, m)
     assert exported.mlir_module().count("stablehlo.custom_call @tpu_custom_call") == 1
 
 
