@@ -293,10 +293,16 @@ def _tricky_mask(step: Step, p: Program, arg):
     return (jnp.arange(p.lk)[None, :] < arg[:, None])[:, None, None, :]  # lengths
 
 
-def _value_op(x, op: str, wide):
-    """One of VALUE_OPS applied to `x`; `wide` is the dtype "widen" casts to."""
+def _value_op(x, op: str, wide, dt):
+    """One of VALUE_OPS applied to `x` as the program applies it to its `dt` values; `wide`
+    is the dtype "widen" casts to. In the float64 reference `x` is first rounded to `dt`:
+    a rounding op is discontinuous, and one bf16 step of an operand can move a soft-capped
+    logit from saturated to not (a float16 program's k / size rounds to float16 before
+    bfloat16; rounding the exact quotient to bfloat16 gave 274 of 4128 values another step)."""
     if op == "stop_gradient":
         return jax.lax.stop_gradient(x)
+    if op != "widen" and x.dtype != dt:
+        x = x.astype(dt).astype(x.dtype)
     # fp8's 3 mantissa bits, with an exponent wide enough that the generator's data (scaled
     # up behind tiny scale steps) does not overflow: a NaN output is no silent error.
     if op == "reduce_precision":
@@ -304,7 +310,7 @@ def _value_op(x, op: str, wide):
     if op == "fake_quant":
         return jnp.clip(x * 16, -127, 127).astype(jnp.int8).astype(x.dtype) / 16
     if op == "roundtrip":
-        narrow = jnp.float8_e4m3fn if x.dtype == jnp.bfloat16 else jnp.bfloat16
+        narrow = jnp.float8_e4m3fn if dt == jnp.bfloat16 else jnp.bfloat16
         return x.astype(narrow).astype(x.dtype)
     return x.astype(wide)  # widen
 
@@ -457,7 +463,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             which, op = p.operand_op
             named = {"q": q, "k": k, "v": v}
             size = _rounded(r if which != "v" else 1.0, dt)
-            named[which] = _value_op(named[which] / size, op, wide) * size
+            named[which] = _value_op(named[which] / size, op, wide, dt) * size
             q, k, v = named["q"], named["k"], named["v"]
         if pre_q != 1.0:
             q = q * _rounded(pre_q, dt)
@@ -489,7 +495,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                     c = _rounded(step.value, dt)
                     s = s * c if step.op == "mul" else s / c
             elif step.kind == "op":
-                s = _value_op(s, step.op, wide)
+                s = _value_op(s, step.op, wide, dt)
             elif step.kind in ("mask", "select_bias"):
                 m = jnp.asarray(constants[at]) if at in constants else (
                     ops[operand[at] - 3] if at in operand else None)
@@ -550,7 +556,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
         if p.sinks:
             w = w[..., :-1]
         if p.probs_op:
-            w = _value_op(w, p.probs_op, wide)
+            w = _value_op(w, p.probs_op, wide, dt)
         if p.dropout:
             keep = jax.random.bernoulli(ops[operand[-4] - 3], 0.8, w.shape)
             w = w * (keep.astype(w.dtype) / jnp.asarray(0.8, w.dtype))

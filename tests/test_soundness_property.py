@@ -238,6 +238,17 @@ FOUND_GROWN = [
         post_mask="mirrored", sinks=True, seed=4281, operand_op=("q", "reduce_precision")),
         "rewritten", id="fp8-rounded q: its gradient is rounded too, one fp8 step is its "
         "tolerance (6e-5 > 1e-5)"),
+    pytest.param(Program(
+        dtype="float16", layout="merged", b=2, hq=1, hkv=1, lq=33, lk=129, d=16,
+        steps=(Step(kind="scale", op="div", value=0.0001), Step(kind="softcap", value=1.0),
+               Step(kind="scale", value=0.0001),
+               Step(kind="bias", shape="from_q", extreme="-inf")),
+        manual_softmax=True, lookalike="scale_after_softmax", post_mask="mirrored", seed=256,
+        operand_op=("k", "roundtrip"), kernel="chunked"), "rewritten",
+        id="float16, a bf16-rounded k, one logit of a row left below the soft-cap's saturation",
+        marks=pytest.mark.xfail(strict=True, reason=(
+            "open (issue 35): the rewrite's dq on that row is 0.147 where the program computed "
+            "in float64 gives 2e-5 and the float32 program's rewrite agrees; f16-specific"))),
 ]
 
 
