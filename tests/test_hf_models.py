@@ -201,6 +201,8 @@ def test_gpt2_in_training_mode_exports_the_dropout_kernel_for_tpu():
                                          "dropout_tpu_dq"))
 
 
+# Slow (two library train steps, 23 s): the README's test command leaves it to CI.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_optax_train_step_through_a_causal_lm_is_rewritten(name):
     """An AdamW step with `value_and_grad` inside, through a padded batch: both layers'

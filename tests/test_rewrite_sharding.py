@@ -191,6 +191,8 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
 """)
 
 
+# Slow (a subprocess with four CPU devices): the README's test command leaves it to CI.
+@pytest.mark.slow
 def test_a_data_parallel_train_step_on_four_cpu_devices():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))

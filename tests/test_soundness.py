@@ -335,6 +335,8 @@ def causal(q, k, v):
                             scores(q, k) * 0.25, -1e9), v)
 
 
+# Slow (validates three wrappings): the README's test command leaves it to CI.
+@pytest.mark.slow
 def test_validate_under_grad_jit_and_vmap_keeps_the_kernels():
     q, k, v = arr(1, 512, 2, 16), arr(1, 512, 2, 16), arr(1, 512, 2, 16)
 
