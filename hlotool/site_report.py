@@ -113,6 +113,7 @@ def describe(group: tuple[Choice, ...]) -> str:
         text = f"{names}: {first.reason}"  # the verdict says "native" itself
     else:
         text = f"{names}: {first.kernel or 'native'} — {first.reason}"
-    if first.refusals:
+    # Where no kernel was priced, the reason already names every refusal.
+    if first.refusals and first.priced is not None:
         text += "; passed over " + "; ".join(map(str, first.refusals))
     return text

@@ -236,13 +236,12 @@ def choose(site: AttentionSite, platform: str, kernel: str = "auto", *,
     """The one decision: which kernel runs `site` on `platform`.
 
     The platform's table of kernels is tried in order (`kernels.first_taking`), each refusal
-    kept;
-    with `kernel="auto"` the first that takes the site is priced against XLA's native path
+    kept; with `kernel="auto"` the first that takes the site is priced against XLA's native path
     on the platform's chip (`chip_for`, or `chip`) and runs where it pays. A kernel name:
     that kernel, where it runs and takes the site. backward: price forward and backward (the
     site's derivative is in the program: a train step)."""
     found, refusals = kernels.first_taking(site, platform, features=features, kernel=kernel,
-                                   check_vma=check_vma)
+                                           check_vma=check_vma)
     if kernel != "auto":
         if found is None:
             return Choice(platform, None, str(refusals[-1]), refusals)
