@@ -463,7 +463,12 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             which, op = p.operand_op
             named = {"q": q, "k": k, "v": v}
             size = _rounded(r if which != "v" else 1.0, dt)
-            named[which] = _value_op(named[which] / size, op, wide, dt) * size
+            unit = named[which] / size
+            if compute:  # the quotient the op rounds, as the program's XLA divides (on CPU
+                # not correctly rounded: 20% of float16 quotients differ by a step)
+                held_as = held["qkv".index(which)]
+                unit = (named[which].astype(held_as) / size).astype(ct)
+            named[which] = _value_op(unit, op, wide, dt) * size
             q, k, v = named["q"], named["k"], named["v"]
         if pre_q != 1.0:
             q = q * _rounded(pre_q, dt)
