@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -422,7 +423,7 @@ def _describe(m: dict, position: dict[int, int], function: str) -> Match:
     checks run in the order below, which decides the one `rejection` reports."""
     keys = _key_axis(m, position)
     value_dot = _value_dot(m, keys)
-    operands = _operands(m, keys, value_dot)
+    operands = _operands(m, position, keys, value_dot)
     labelled = _Labelled(m, position, keys, operands.roles)
     logits = _read_logits(labelled, operands.q_scale * operands.k_scale)
     sinks = next((t for t in logits.beside if t.kind == "sinks"), None)
@@ -531,19 +532,39 @@ def _value_dot(m: dict, keys: _KeyAxis) -> _ValueDot:
     return _ValueDot(probs_labels, v_node, tuple(v_labels), out_labels)
 
 
-def _operands(m: dict, keys: _KeyAxis, value_dot: _ValueDot) -> _Operands:
+def _operands(m: dict, position: dict[int, int], keys: _KeyAxis, value_dot: _ValueDot
+              ) -> _Operands:
     """q, k and v traced back to where the site starts (`_trace`), their axes named from Q's
     (`_query_axes`: which batch axis holds the heads, which free axis the query length), and
     checked to line up as attention: q [B, Lq, Hq, D], k [B, Lk, Hkv, D] and
-    v [B, Lk, Hkv, Dv], with Hq a multiple of Hkv."""
-    qside = keys.qside
-    q_entry, q_entry_labels, q_scale = _trace(keys.q_node, keys.q_labels, qside, None)
-    qlen_token, head_token, parts = _query_axes(q_entry, q_entry_labels, qside)
-    roles = _Roles(qside, keys.kside, qlen_token, head_token, parts)
+    v [B, Lk, Hkv, Dv], with Hq a multiple of Hkv.
 
-    k_entry, k_entry_labels, k_scale = _trace(keys.k_node, keys.k_labels, qside, head_token)
-    v_entry, v_entry_labels, v_scale = _trace(value_dot.v_node, value_dot.v_labels, qside,
-                                              head_token)
+    A value a bias or mask of the site is computed from is where its operand starts (ViTDet's
+    relative-position bias reads q with its heads folded into the batch): walking past it
+    would put an input of the site inside it. The others then keep the batch axes it keeps
+    whole (a site of B·H batch rows and one head)."""
+    qside = keys.qside
+    sides = [side for link in (*m["logits_path"], *m["probs_path"]) for side in link.sides]
+
+    def read_beside(node: Node) -> bool:  # a row max reads q through the scores: not beside
+        return any(_depends_on(side, node, position, avoiding=m["scores"]) for side in sides)
+
+    whole: frozenset = frozenset()
+    while True:  # until no operand holds whole a batch token another one splits
+        q_entry, q_entry_labels, q_scale = _trace(keys.q_node, keys.q_labels, qside, None,
+                                                  read_beside, whole)
+        qlen_token, head_token, parts = _query_axes(q_entry, q_entry_labels, qside)
+        kept = whole - {head_token}  # K and V split Q's heads where they repeat them (GQA)
+        k_entry, k_entry_labels, k_scale = _trace(keys.k_node, keys.k_labels, qside,
+                                                  head_token, read_beside, kept)
+        v_entry, v_entry_labels, v_scale = _trace(value_dot.v_node, value_dot.v_labels, qside,
+                                                  head_token, read_beside, kept)
+        held = _whole_batch(q_entry_labels) | _whole_batch(k_entry_labels) | _whole_batch(
+            v_entry_labels)
+        if held <= whole:
+            break
+        whole = whole | held
+    roles = _Roles(qside, keys.kside, qlen_token, head_token, parts)
     q_layout = roles.layout(q_entry.shape, q_entry_labels, "BLHD")
     k_layout = roles.layout(k_entry.shape, k_entry_labels, "BKHD")
     v_layout = roles.layout(v_entry.shape, v_entry_labels, "BKHE")
@@ -950,32 +971,44 @@ def _labels_on_chain(node: Node, scores: Node, score_labels: axes.Labels,
     return _follow(tuple(above), known[id(node)])
 
 
-def _depends_on(node: Node, target: Node, position: dict[int, int]) -> bool:
-    """True if `node` is computed from `target` (nodes defined before it cannot be)."""
+def _depends_on(node: Node, target: Node, position: dict[int, int],
+                avoiding: Node | None = None) -> bool:
+    """True if `node` is computed from `target` (nodes defined before it cannot be), by a
+    path that does not pass through `avoiding`."""
     start = position.get(id(target), -1)
     stack, seen = [node], set()
     while stack:
         n = stack.pop()
         if n is target:
             return True
-        if id(n) in seen or position.get(id(n), -1) <= start:
+        if id(n) in seen or n is avoiding or position.get(id(n), -1) <= start:
             continue
         seen.add(id(n))
         stack.extend(n.inputs)
     return False
 
 
-def _trace(node: Node, labels: axes.Labels, qside: str, head_token
-           ) -> tuple[Node, axes.Labels, float]:
+def _whole_batch(labels: axes.Labels) -> frozenset:
+    """The batch tokens of the scores dot that `labels` hold unsplit (no part of them)."""
+    tokens = frozenset().union(*labels)
+    return frozenset(t for t in tokens if t[0] == "b"
+                     and not any(axes.is_part(u) and u[1] == t for u in tokens))
+
+
+def _trace(node: Node, labels: axes.Labels, qside: str, head_token,
+           read_beside: Callable[[Node], bool] = lambda node: False,
+           whole: frozenset = frozenset()) -> tuple[Node, axes.Labels, float]:
     """Follow an operand back through casts, transposes, head repeats and constant scaling.
 
     Stops at the first op that changes more than layout: a reshape that splits or merges a
     length or head-dim axis, a broadcast of anything but heads (GQA/MQA K and V), or a
-    `tile`-ordered head repeat (query head h would not use kv head h // group).
+    `tile`-ordered head repeat (query head h would not use kv head h // group); at a value
+    the site also reads elsewhere (`read_beside`), and before a reshape splitting one of the
+    batch tokens Q holds `whole`.
     """
     scale = 1.0
     before_reshape = None
-    while True:
+    while not read_beside(node):
         op = node.op
         # Only casts that keep every value: the kernel reads the operand where this walk
         # stops, so a stop_gradient, a reduce_precision or a narrowing cast (fake
@@ -986,7 +1019,8 @@ def _trace(node: Node, labels: axes.Labels, qside: str, head_token
             step = axes.backward(node, labels)
         elif op == "reshape":
             step = axes.backward(node, labels)
-            if step is None or not _reshape_keeps_axes(node, labels, qside):
+            if step is None or not _reshape_keeps_axes(node, labels, qside) or any(
+                    axes.part_of(label, t) is not None for label in step[0] for t in whole):
                 break
             before_reshape = (node, labels, scale)
         elif op == "broadcast" and head_token is not None:

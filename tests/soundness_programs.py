@@ -408,6 +408,10 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
     q = rng.standard_normal((p.b, p.lq, p.hq, p.d)) * r
     k = rng.standard_normal((p.b, p.lk, p.hkv, p.d)) * r
     v = rng.standard_normal((p.b, p.lk, p.hkv, p.d))
+    # Finite in the program's dtype, as a model's activations are: float16 data behind
+    # 1e-10 of scales would be inf, and inf·0 in a dot is NaN or not by XLA's blocking.
+    top = float(jnp.finfo(dt).max) / 8
+    q, k = np.clip(q, -top, top), np.clip(k, -top, top)
     if p.nan_key:
         k[0, p.lk - 1] = np.nan  # a key the first key-padding mask hides (`_mask`)
     held = {"q_bf16": (jnp.bfloat16, dt, dt), "kv_bf16": (dt, jnp.bfloat16, jnp.bfloat16)}.get(
@@ -488,6 +492,7 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
             qm = q.transpose(0, 2, 1, 3).reshape(p.b * p.hq, p.lq, p.d)
             km = k.transpose(0, 2, 1, 3).reshape(p.b * p.hq, p.lk, p.d)
             s = jnp.einsum("nqd,nkd->nqk", qm, km).reshape(p.b, p.hq, p.lq, p.lk)
+            q, k = qm, km  # a bias from q or k reads them folded, as ViTDet's does
         selected = None  # (predicate, mirrored) of the last mask step
         for at, step in enumerate(p.steps):
             if step.kind == "scale":
@@ -594,9 +599,12 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
         if step.shape not in ("from_q", "from_k"):
             return ops[operand[at] - 3]
         size = 2.0 / abs(_after(p.steps, at)) / (r * math.sqrt(p.d) + 1e-30)
-        if step.shape == "from_q":
-            return jnp.swapaxes(q.sum(-1), 1, 2)[..., None] * _rounded(size, dt)
-        return jnp.swapaxes(k.sum(-1), 1, 2)[:, :, None, :] * _rounded(size, dt)
+        # q [B, Lq, H, D], or [B·H, Lq, D] with the heads folded into the batch (k alike)
+        x = q if step.shape == "from_q" else k
+        sums = x.sum(-1).reshape(p.b, p.hq, -1) if x.ndim == 3 else jnp.swapaxes(
+            x.sum(-1), 1, 2)
+        return (sums[..., None] if step.shape == "from_q" else sums[:, :, None, :]) * _rounded(
+            size, dt)
 
     diff = tuple([0, 1, 2] + [i for kind, _, i in extra
                               if kind in ("bias", "head_mask", "sinks")])

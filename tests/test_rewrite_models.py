@@ -102,6 +102,48 @@ def test_flax_nnx():
     check_grad(forward, (X,))
 
 
+class FoldedHeadsRelPos(nnx.Module):
+    """ViTDet / SAM attention over a [B, GH, GW, C] grid: heads folded into the batch
+    ([B·H, L, D]) and a decomposed relative-position bias computed from q (segment_anything's
+    `add_decomposed_rel_pos`), added to the logits viewed as [B·H, GH, GW, GH, GW]."""
+
+    def __init__(self, grid: tuple[int, int], rngs: nnx.Rngs):
+        self.qkv = nnx.Linear(E, 3 * E, rngs=rngs)
+        self.rel_h = nnx.Param(jax.random.normal(rngs.params(), (grid[0], grid[0], D)) * 0.3)
+        self.rel_w = nnx.Param(jax.random.normal(rngs.params(), (grid[1], grid[1], D)) * 0.3)
+
+    def __call__(self, x):
+        b, gh, gw, _ = x.shape
+        qkv = self.qkv(x.reshape(b, gh * gw, E)).reshape(b, gh * gw, 3, H, D)
+        q, k, v = qkv.transpose(2, 0, 3, 1, 4).reshape(3, b * H, gh * gw, D)
+        logits = (q * D ** -0.5) @ jnp.swapaxes(k, -2, -1)
+        r_q = q.reshape(b * H, gh, gw, D)
+        rel_h = jnp.einsum("bhwc,hkc->bhwk", r_q, self.rel_h[...])
+        rel_w = jnp.einsum("bhwc,wkc->bhwk", r_q, self.rel_w[...])
+        logits = (logits.reshape(b * H, gh, gw, gh, gw) + rel_h[:, :, :, :, None]
+                  + rel_w[:, :, :, None, :]).reshape(b * H, gh * gw, gh * gw)
+        out = jax.nn.softmax(logits, axis=-1) @ v
+        return out.reshape(b, H, gh, gw, D).transpose(0, 2, 3, 1, 4).reshape(b, gh, gw, E)
+
+
+def test_heads_folded_into_the_batch_with_a_bias_from_q():
+    """The bias reads q where the heads are folded, so the site starts there: a site of B·H
+    rows and one head (#38), forward, gradient and train step equal."""
+    layer = FoldedHeadsRelPos((16, 32), nnx.Rngs(0))  # L = 512
+    graph, state = nnx.split(layer)
+    x = X.reshape(B, 16, 32, E)
+
+    def forward(state, x):
+        return nnx.merge(graph, state)(x)
+
+    report = hlotool.explain(forward, state, x)
+    assert report.sites[0].site.q_shape == (B * H, L, D), str(report)
+    check(forward, (state, x), sites=1)
+    check_grad(forward, (state, x), argnums=(0, 1))
+    step = jax.grad(lambda s, x: jnp.sum(jnp.sin(forward(s, x))))
+    assert relative_error(hlotool.flash_jit(step)(state, x), jax.jit(step)(state, x)) < 1e-5
+
+
 def haiku_layer(x):
     mha = hk.MultiHeadAttention(num_heads=H, key_size=D, w_init=hk.initializers.VarianceScaling())
     return mha(x, x, x, mask=jnp.tril(jnp.ones((1, 1, L, L))))
