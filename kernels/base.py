@@ -22,7 +22,9 @@ Semantics shared by all kernels (the reference kernel is their definition), over
 the softmax: `post_mask` (broadcastable to [B, Hq, Lq, Lk]) changes probabilities after it:
 bool, `where(post_mask, softmax(logits), 0)` as Keras' masked softmax does (the keys it zeroes
 still weigh in the normalizer); float, `softmax(logits) * post_mask`, dropout's keep / keep_prob
-(the random bits are the program's own, so the result is exactly its; no gradient flows to it);
+(the random bits are the program's own, so the result is exactly its; no gradient flows to it;
+-0.0 marks a key a boolean mask beside it drops: zero whatever the probability, NaN too, as
+`where` makes it, where +0.0 multiplies as dropout's `p * 0` does);
 `sinks` (float, broadcastable to [B, Hq, Lq, 1]) is one more logit per row that takes part in
 the softmax and has no value (attention sinks, GPT-OSS): out = Σ_j exp(l_j)·v_j / (exp(sink) +
 Σ_j exp(l_j)). Key j is visible to query i when `mask[b, h, i, j]` (True = attend), `j <= i` if
@@ -637,7 +639,8 @@ def post_softmax(p: jax.Array, post: jax.Array) -> jax.Array:
     key, multiplied by a float one."""
     if post.dtype == jnp.bool_:
         return jnp.where(post, p, 0.0)
-    return p * post.astype(p.dtype)
+    dropped = (post == 0) & jnp.signbit(post)  # -0.0: a boolean mask's zero (module doc)
+    return jnp.where(dropped, 0.0, p * post.astype(p.dtype))
 
 
 def visible_keys(call: Call) -> jax.Array | None:

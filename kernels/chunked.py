@@ -57,7 +57,7 @@ from hlotool.kernels.base import (
     varying,
     zero_invalid_keys,
 )
-from hlotool.kernels.drawn import DrawnMask
+from hlotool.kernels.drawn import DrawnMask, dropped_by
 from hlotool.site import AttentionSite
 
 
@@ -198,7 +198,7 @@ def _keep(post, shape: tuple[int, ...], i, j, st: _Static):
         keep = keep.reshape(keep.shape[0], hkv if heads else 1, -1 if heads else 1,
                             st.block_q, bk)
         if post.also is not None:
-            keep = jnp.where(_tile(post.also, i, j, st), keep, jnp.zeros((), keep.dtype))
+            keep = dropped_by(_tile(post.also, i, j, st), keep)
     else:
         keep = _tile(post, i, j, st)
     keep = jnp.broadcast_to(keep, (b, hkv, rows // st.block_q, st.block_q, bk))
@@ -399,7 +399,6 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
         m, l = jnp.where(real, m, 0.0), jnp.where(real, l, 1.0)
         out = jnp.where(real[:, None, None, None], out, 0.0)
     inv_l = 1.0 / l  # one division per row, not per score
-    dropping = post is not None and not isinstance(post, DrawnMask) and post.dtype == jnp.bool_
 
     def key_block(i, block, banded, j, carry):
         dq_i, dk_t, dv_t, dbias = carry
@@ -422,9 +421,10 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
                 ds = jnp.where(visible, ds, 0.0)  # its tanh' must not reach dq or dk
         if st.scale != 1.0 and not st.scale_q:
             ds = ds * st.scale  # d(scale·q·k) w.r.t. q·k
-        # A bool post_mask drops a key's weight, NaN or not (a row's normalizer is NaN when
-        # it hides a NaN key before the softmax): dO is then scaled by 1/l only in the tile.
-        kept = _kept(p, keep) if dropping else _kept(e, keep)
+        # dV from the normalized tile: a post_mask that drops a key's weight (bool, -0.0)
+        # drops it NaN or not (a row's normalizer is NaN when it hides a NaN key before the
+        # softmax), where exp(S - m)·(dO / l) would be 0·NaN.
+        kept = _kept(p, keep)
         dv_t = _add_keys(dv_t, jnp.einsum("bhdq,bhqk->bhdk", do_t, kept), j, st)
         dk_t = _add_keys(dk_t, jnp.einsum("bhdq,bhqk->bhdk", q_t, ds,
                                           preferred_element_type=jnp.float32), j, st)
@@ -445,10 +445,7 @@ def _backward(q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l, do, st: _St
         inv_l_i = _rows(inv_l, i, st)
         # As a sum of out * do, XLA's CPU backend reduces ~30x slower.
         delta_i = jnp.einsum("bhqd,bhqd->bhq", _query_rows(out, i, st), do_i)
-        # dV = Pᵀ·dO = exp(S - m)ᵀ·(dO / l): with 1/l on dO's rows, the tile's exponentials
-        # feed dV as they are, and no normalized copy of them is written.
-        block = (q_i, jnp.swapaxes(q_i, 2, 3), do_i,
-                 jnp.swapaxes(do_i if dropping else do_i * inv_l_i[..., None], 2, 3),
+        block = (q_i, jnp.swapaxes(q_i, 2, 3), do_i, jnp.swapaxes(do_i, 2, 3),
                  _rows(m, i, st), inv_l_i, delta_i)
         init = (jnp.zeros(q_i.shape, jnp.float32), dk_t, dv_t, dbias)
         (dq_i, dk_t, dv_t, dbias), _ = _key_loop(

@@ -37,6 +37,14 @@ CALLS = frozenset({"jit", "pjit", "closed_call"})  # jax.jit's call ("pjit" in o
 THREEFRY = "key<fry>"
 
 
+def dropped_by(keep: jax.Array, weights: jax.Array) -> jax.Array:
+    """Float `weights` where the boolean `keep` holds, else -0.0: the float post_mask of a
+    boolean mask beside dropout's multipliers (`kernels.base`'s module doc)."""
+    if weights.dtype == jnp.bool_:
+        return keep & weights
+    return jnp.where(keep, weights, jnp.asarray(-0.0, weights.dtype))
+
+
 def _threefry():
     """jax's threefry2x32 primitive, or None where jax.extend does not export it."""
     try:
@@ -303,7 +311,7 @@ class DrawnMask:
     def dense(self) -> jax.Array:
         """The whole operand, as the program computes it (`also` applied)."""
         out = self.tile(0, self.full[2], 0, self.full[3])
-        return out if self.also is None else jnp.where(self.also, out, jnp.zeros((), out.dtype))
+        return out if self.also is None else dropped_by(self.also, out)
 
 
 class _Boundary:

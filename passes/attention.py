@@ -1247,12 +1247,10 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
             keep, pred = not keep, pred.inputs[0]
             continue
         if pred.op == "compare":  # flax's combine_masks(...) > 0: a boolean cast to float
-            x, zero = pred.inputs
-            inner = strip(x, ("convert", "copy"))
-            if (pred.params["direction"] not in ("gt", "ne") or uniform_value(zero) != 0.0
-                    or inner.dtype != "bool" or inner.shape != pred.shape):
+            found = _nonzero_of_zero_one(pred, labels)
+            if found is None:
                 break
-            pred = inner
+            pred, labels = found
             continue
         step = axes.backward(pred, labels) if pred.op != "convert" else (labels, [])
         if step is None:
@@ -1270,8 +1268,13 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
         n = stack.pop()
         while n.op in ("convert", "copy") and n.inputs[0].dtype == "bool":
             n = n.inputs[0]  # a cast from a number is the factor itself: x != 0
+        found = _nonzero_of_zero_one(n, labels) if n.op == "compare" else None
+        if found is not None and found[0].shape == n.shape:
+            n = found[0]
         if n.op == "and" and fits(n):
             stack.extend(reversed(n.inputs))
+        elif n.op == "min" and fits(n):  # of numbers cast from booleans (`_zero_one_sides`)
+            stack.extend(reversed(_zero_one_sides(n)))
         elif fits(n):
             leaves.append(n)
         else:
@@ -1310,6 +1313,34 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
     if need_band and not structural:
         return None
     return terms or None
+
+
+def _nonzero_of_zero_one(node: Node, labels: axes.Labels
+                         ) -> tuple[Node, axes.Labels] | None:
+    """For `x != 0` or `x > 0` of x a number that is 0 or 1 — a boolean b cast to a number,
+    or `min(a, b)` of two such (KerasHub merges its padding and causal masks so: nonzero
+    exactly where both are) —, seen through layout ops: b, or the `min`, with its labels
+    (`labels` are `node`'s). None for any other compare."""
+    if node.params.get("direction") not in ("gt", "ne") or uniform_value(node.inputs[1]) != 0:
+        return None
+    x = node.inputs[0]
+    while True:
+        x = strip(x, ("convert", "copy")) if x.dtype != "bool" else x
+        if x.dtype == "bool" or (x.op == "min" and _zero_one_sides(x) is not None):
+            return x, labels
+        if x.op not in ("broadcast", "reshape", "transpose"):
+            return None
+        step = axes.backward(x, labels)
+        if step is None:
+            return None
+        labels, x = step[0], x.inputs[0]
+
+
+def _zero_one_sides(node: Node) -> tuple[Node, ...] | None:
+    """The booleans whose casts to a number a `min` takes, or None when a side may hold
+    other values than 0 and 1."""
+    sides = tuple(strip(x, ("convert", "copy")) for x in node.inputs)
+    return sides if all(x.dtype == "bool" for x in sides) else None
 
 
 def _segments(leaf: Node, space: Layout, at: Node, fill: float, rounds_to_fill: bool

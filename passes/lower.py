@@ -38,7 +38,7 @@ from hlotool.kernels.base import (
     visible_keys,
 )
 from hlotool.kernels import drawn
-from hlotool.kernels.drawn import DrawnMask
+from hlotool.kernels.drawn import DrawnMask, dropped_by
 from hlotool.passes.attention import Layout
 from hlotool.passes.axes import reshape_groups
 from hlotool.passes.from_jaxpr import JaxprSite, MaskVar
@@ -314,7 +314,7 @@ def _post_weights(post_masks: tuple[MaskVar, ...], keep: jax.Array | None,
                for m in post_masks if m.kind == "dropout"]
     if not dropout:
         return keep
-    out = dropout[0] if keep is None else jnp.where(keep, dropout[0], 0.0)
+    out = dropout[0] if keep is None else dropped_by(keep, dropout[0])
     for x in dropout[1:]:
         out = out * x
     return out

@@ -70,7 +70,8 @@ from hlotool.kernels import get
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 FILLS = ("-inf", "finfo.min", "-1e9", "-1e4", "-5")
 MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding",
-         "causal_and_padding", "band", "band_and_padding", "segments", "segments_and_causal")
+         "causal_and_padding", "band", "band_and_padding", "segments", "segments_and_causal",
+         "keras_merged")
 # Masks whose arithmetic is not what it looks like, or has a traced part: built in the
 # program, each must be read as the values it computes or keep the site native.
 #   window_uint32: `(i - j) < 3` over uint32 positions, which wraps for j > i (hidden)
@@ -267,7 +268,7 @@ def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray | None
             return lengths.astype(np.int32)
         m = (j < lengths[:, None, None, None])
     m = np.broadcast_to(m, (p.b, 1, p.lq, p.lk)).copy()
-    if step.mask in ("causal_and_padding", "band_and_padding", "band") or (
+    if step.mask in ("causal_and_padding", "band_and_padding", "band", "keras_merged") or (
             step.mask == "key_padding" and step.constant):
         m = m[:, :, :1, :]  # [B, 1, 1, Lk]: the program ANDs it with its own tril or band
     elif step.empty_row and step.mask != "key_padding":
@@ -291,6 +292,19 @@ def _tricky_mask(step: Step, p: Program, arg):
     if step.mask == "tril_k":
         return jnp.tril(jnp.ones((p.lq, p.lk), bool), step.offset)
     return (jnp.arange(p.lk)[None, :] < arg[:, None])[:, None, None, :]  # lengths
+
+
+def _keras_merged(padding, p: Program):
+    """KerasHub's Gemma mask from key padding [B, 1, 1, Lk]: its int32 cast and a causal
+    mask of float positions merged by `minimum`, then a window of `triu * tril` sliced at
+    the cache index (0) ANDed in."""
+    i = jnp.arange(p.lq, dtype=jnp.float32)[:, None]
+    j = jnp.arange(p.lk, dtype=jnp.float32)[None, :]
+    merged = jnp.minimum(padding.astype(jnp.int32), (i >= j).astype(jnp.int32))
+    ones = jnp.ones((max(p.lq, p.lk), p.lk), bool)
+    sliding = jax.lax.dynamic_slice(jnp.triu(ones, -3) * jnp.tril(ones, 3), (0, 0),
+                                    (p.lq, p.lk))
+    return jnp.logical_and(merged, sliding)
 
 
 def _value_op(x, op: str, wide, dt):
@@ -515,6 +529,8 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                     m = _tricky_mask(step, p, m)
                 elif step.mask == "causal_and_padding":
                     m = jnp.tril(jnp.ones((p.lq, p.lk), bool)) & m
+                elif step.mask == "keras_merged":
+                    m = _keras_merged(m, p)
                 elif step.mask == "band":
                     m = _band(step.window, p)
                 elif step.mask == "band_and_padding":

@@ -247,6 +247,12 @@ FOUND_GROWN = [
         operand_op=("k", "roundtrip"), kernel="chunked"), "rewritten",
         id="float16, a bf16-rounded k, one logit of a row left below the soft-cap's saturation: "
         "the reference rounded k / size exactly, XLA's quotient is a step off (dq 0.075 apart)"),
+    pytest.param(Program(
+        dtype="float32", layout="BHLD", b=1, hq=2, hkv=1, lq=2, lk=40, d=8,
+        steps=(Step(kind="select_bias", mask="lengths", fill="-1e4", empty_row=True, offset=1),),
+        post_mask="repeat", dropout=True, seed=1336, nan_key=True), "rewritten",
+        id="a NaN key's rows, a where-mask beside dropout after the softmax: the keys it drops "
+        "have dv 0 in the program, 0·NaN was NaN"),
 ]
 
 
