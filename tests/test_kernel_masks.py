@@ -303,6 +303,35 @@ def test_a_windowed_causal_mask_with_padding_exports_to_splash_without_dense_ope
     assert grad.count("tpu_custom_call") == 3
 
 
+def test_local_mqa_over_packed_segments_exports_to_splash_forward_and_backward():
+    """recurrentgemma's local attention (#38): one K/V head, a 64-key causal window, packed
+    segments: splash takes the window as its mask object and the ids as segment ids."""
+    def fn(q, k, v, segment_ids):
+        s = jnp.einsum("btnh,bsh->bnts", q, k[:, :, 0]) * q.shape[-1] ** -0.5
+        i, j = jnp.arange(LONG)[:, None], jnp.arange(LONG)[None, :]
+        keep = ((segment_ids[:, :, None] == segment_ids[:, None, :])
+                & ((i >= j) & (i - j < 64))[None])
+        s = jnp.where(keep[:, None], s, -2.3819763e38)
+        p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype)
+        return jnp.einsum("bnts,bsh->btnh", p, v[:, :, 0])
+
+    q = jax.ShapeDtypeStruct((B, LONG, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, LONG, 1, 64), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((B, LONG), jnp.int32)
+    (site,) = hlotool.explain(fn, q, kv, kv, ids).sites
+    assert (site.site.window, site.site.segments, site.site.num_kv_heads) == ((63, 0), True, 1)
+    assert site.kernels["tpu"] == "splash_tpu", site.reason
+    fast = hlotool.flash_jit(fn)
+    text = jax.export.export(jax.jit(fast), platforms=["tpu"])(q, kv, kv, ids).mlir_module()
+    (operands,) = _kernel_operands(text)
+    assert "splash_mha_fwd" in text
+    assert not [t for t in operands if re.search(rf"{LONG}x{LONG}x\w+>$", t)], operands
+    grad = jax.export.export(jax.jit(jax.grad(
+        lambda *a: fast(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))),
+        platforms=["tpu"])(q, kv, kv, ids).mlir_module()
+    assert grad.count("tpu_custom_call") == 3
+
+
 # ---------------------------------------------------------------------- segment ids
 
 

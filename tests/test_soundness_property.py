@@ -11,6 +11,7 @@ found, below, run everywhere.
 from __future__ import annotations
 
 import collections
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -253,6 +254,14 @@ FOUND_GROWN = [
         post_mask="repeat", dropout=True, seed=1336, nan_key=True), "rewritten",
         id="a NaN key's rows, a where-mask beside dropout after the softmax: the keys it drops "
         "have dv 0 in the program, 0·NaN was NaN"),
+    pytest.param(Program(
+        dtype="bfloat16", layout="BHLD", b=1, hq=2, hkv=2, lq=7, lk=1000, d=16,
+        steps=(Step(kind="softcap", value=5.0), Step(kind="bias", shape="from_k"),
+               Step(kind="causal_bias", value=-math.inf)),
+        head_mask="data", seed=9423, operand_op=("v", "roundtrip"), prescale="both",
+        kernel_blocks=True), "rewritten",
+        id="v through fp8 in a bfloat16 program: jax rounds dv to fp8 too, one fp8 step "
+        "(4.5 or 5.0) is its tolerance"),
 ]
 
 
