@@ -546,8 +546,13 @@ def _operands(m: dict, position: dict[int, int], keys: _KeyAxis, value_dot: _Val
     qside = keys.qside
     sides = [side for link in (*m["logits_path"], *m["probs_path"]) for side in link.sides]
 
+    beside: dict[int, bool] = {}  # by node id: the passes below walk the same chains again
+
     def read_beside(node: Node) -> bool:  # a row max reads q through the scores: not beside
-        return any(_depends_on(side, node, position, avoiding=m["scores"]) for side in sides)
+        if id(node) not in beside:
+            beside[id(node)] = any(_depends_on(side, node, position, avoiding=m["scores"])
+                                   for side in sides)
+        return beside[id(node)]
 
     whole: frozenset = frozenset()
     while True:  # until no operand holds whole a batch token another one splits

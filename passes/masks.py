@@ -204,7 +204,7 @@ def _eval_unchecked(node: Node, budget: list[int]) -> Value | None:
                           form.const + sum(c * s0 for c, s0 in zip(form.coef, start)))
 
         return _relabel(_eval(node.inputs[0], budget), shifted)
-    if op in ("dynamic_slice", "dynamic-slice") and node.inputs and node.inputs[0].shape == node.shape:
+    if op in ("dynamic_slice", "dynamic-slice") and node.inputs[0].shape == node.shape:
         # As large as its input, it starts at 0 whatever its start (XLA clamps it): KerasHub
         # slices its sliding-window mask at the cache index so.
         return _eval(node.inputs[0], budget)

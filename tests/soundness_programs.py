@@ -940,8 +940,8 @@ def check(p: Program, blocks: tuple[int, int] = (8, 8),
         kernel.block_q, kernel.block_k = saved
     tol = TOLERANCE[p.dtype]
     terms = _terms(p, args, len(want))
-    if _rounded_gradient(p) is not None:
-        at, step = _rounded_gradient(p)
+    if (rounded := _rounded_gradient(p)) is not None:
+        at, step = rounded
         top = float(np.max(np.abs(want[at][np.isfinite(want[at])]), initial=0.0))
         terms[at] = max(terms[at], top) * step / tol
     err, at = _worst(got, want, terms)
