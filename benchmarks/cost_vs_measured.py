@@ -15,11 +15,11 @@ a VM whose freed memory goes back to the hypervisor (free page reporting) while 
 runs, the cost per page grows with L, which is why native at 16K measures slower than predicted.
 
 --platform cpu (default): this host's XLA:CPU, the chunked kernel, float32, target `cpu`,
-peak RSS. --platform cuda: the first CUDA GPU, the Pallas GPU (Triton) kernel `pallas_gpu`
-on [B, L, H, D], bfloat16, target `h200`, peak device memory (`memory_stats()`); exits with
-status 2 when jax has no CUDA device. --dry-run runs the cuda path's children on the CPU
-with the Pallas kernel in interpret mode at a tiny shape: it checks the plumbing, its times
-mean nothing.
+peak RSS. --platform cuda: the first CUDA GPU, the kernel hlotool picks there (cudnn for
+bfloat16) on [B, L, H, D], bfloat16, target `h200`, peak device memory (`memory_stats()`);
+exits with status 2 when jax has no CUDA device. --dry-run runs the cuda path's children on
+the CPU with that kernel's stand-in (cuDNN's jax.nn call through XLA, Pallas in interpret
+mode) at a tiny shape: it checks the plumbing, its times mean nothing.
 
     python benchmarks/cost_vs_measured.py                      # L = 2K..16K, B=1, H=4, D=64
     python benchmarks/cost_vs_measured.py --lengths 2048 4096 --heads 8
@@ -43,7 +43,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--platform", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dry-run", action="store_true",
-                   help="run the cuda path on the CPU (Pallas interpret mode, tiny shapes)")
+                   help="run the cuda path on the CPU (the kernel's CPU stand-in, tiny shapes)")
     p.add_argument("--lengths", type=int, nargs="+")
     p.add_argument("--heads", type=int)
     p.add_argument("--dim", type=int, default=64)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from hlotool.cost.measure import measure, predicted_bytes
-    from hlotool.cost.model import analytic
+    from hlotool.cost.model import analytic, kernel_for
     from hlotool.errors import HlotoolError
     from hlotool.hardware import get_hardware
     from hlotool.site import AttentionSite
@@ -172,14 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     except HlotoolError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    def site_of(n: int) -> AttentionSite:
+        return AttentionSite(batch=1, q_len=n, kv_len=n, num_q_heads=a.heads,
+                             num_kv_heads=a.heads, head_dim=a.dim, v_head_dim=a.dim,
+                             dtype=a.dtype, scale=a.dim ** -0.5)
+
+    try:
+        kernel = kernel_for(site_of(a.lengths[0]), target).name
+    except HlotoolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if on_gpu:
         devices = _cuda_devices()
         if not devices:
             print(NO_CUDA, file=sys.stderr)
             return 2
-        device, memory = f"{devices[0].device_kind} (pallas_gpu)", "peak GPU bytes in use"
+        device, memory = f"{devices[0].device_kind} ({kernel})", "peak GPU bytes in use"
     elif a.dry_run:
-        device = "DRY RUN: pallas_gpu in interpret mode on the CPU, times mean nothing"
+        device = f"DRY RUN: {kernel}'s stand-in on the CPU, times mean nothing"
         memory = "peak RSS (no device memory stats on the CPU)"
     else:
         device, memory = "this host's CPU (chunked)", "peak RSS"
@@ -188,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_header(a, device, memory), flush=True)
     errors = []
     for n in a.lengths:
-        site = AttentionSite(batch=1, q_len=n, kv_len=n, num_q_heads=a.heads,
-                             num_kv_heads=a.heads, head_dim=a.dim, v_head_dim=a.dim,
-                             dtype=a.dtype, scale=a.dim ** -0.5)
+        site = site_of(n)
         pn, pk = (analytic(site, target, s).seconds for s in ("native", "kernel"))
         rounds = []
         for _ in range(a.rounds):

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 
 from hlotool import jaxcompat, kernels
-from hlotool.flash import Rewritten, name_of, plan_program, trace
+from hlotool.flash import Rewritten, for_analysis, name_of, plan_program, trace
 from hlotool.site_report import Report
 from hlotool.validate import Validated
 
@@ -28,7 +28,7 @@ def explain(fn: Callable, *args: Any, kernel: str = "auto", **kwargs: Any) -> Re
     if kernel != "auto":
         kernels.get(kernel)
     closed, _, _ = trace(fn, args, kwargs)
-    return plan_program(closed, name_of(fn), kernel).report
+    return plan_program(for_analysis(closed, fn, args, kwargs), name_of(fn), kernel).report
 
 
 def flash_jit(fn: Callable, *, kernel: str = "auto", validate: bool = False,

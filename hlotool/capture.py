@@ -263,7 +263,9 @@ def _compile_hook(on_compile: Callable[[str], None] | None = None
 
     # Functions compiled before the capture would be served from jax's caches unseen.
     jax.clear_caches()
-    with jaxcompat.lowering_hook(hook) as lower:
+    # jax.nn.softmax as every jax up to 0.12.0 traced it, so its sites can be rewritten
+    # (`jaxcompat.plain_softmax`); the flag is part of jit's cache key.
+    with jaxcompat.lowering_hook(hook) as lower, jaxcompat.plain_softmax():
         yield records
 
 
@@ -326,8 +328,10 @@ def capture_script(path: str | os.PathLike[str], argv: Sequence[str] = (),
     every function jax compiled while it ran; `on_compile(name)` hears of each of them as
     its compile starts (a progress line).
 
-    The script runs unmodified: its directory is put first on `sys.path`, ``sys.exit(0)`` is
-    a normal end. Its stdout is sent to stderr so the caller's stdout stays its own (to
+    The script runs unmodified, except that jax.nn.softmax traces as plain operations, as
+    on every jax up to 0.12.0 (`jaxcompat.plain_softmax`: the same values, its derivative
+    taken by autodiff rather than jax 0.12.1's rule for it): its directory is put first on
+    `sys.path`, ``sys.exit(0)`` is a normal end. Its stdout is sent to stderr so the caller's stdout stays its own (to
     whatever sys.stderr is at each write: a progress line's proxy prints it above the line).
     Raises `ScriptError` (one line, naming the file) for a missing file, a syntax error,
     an exception or a non-zero exit, and `NothingCapturedError` when nothing was compiled.

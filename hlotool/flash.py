@@ -13,6 +13,7 @@ its `SiteReport`. `Rewritten` runs this at trace time; `hlotool.api` is the publ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -164,10 +165,12 @@ def _is_dynamic(leaf: Any) -> bool:
                              jax.ShapeDtypeStruct))
 
 
-def trace(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]
+def trace(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any], *,
+          plain_softmax: bool = False
           ) -> tuple[jaxcompat.ClosedJaxpr, list[Any], Callable[[list[Any]], Any]]:
     """`fn(*args, **kwargs)` as a ClosedJaxpr over its array leaves (other leaves are closed
-    over as static), those leaves, and how to rebuild the output pytree from flat outputs."""
+    over as static), those leaves, and how to rebuild the output pytree from flat outputs;
+    jax.nn.softmax as plain operations with `plain_softmax` (see `for_analysis`)."""
     leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
     at = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
 
@@ -180,11 +183,23 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]
 
     dyn = [leaves[i] for i in at]
     try:
-        closed, shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
+        with jaxcompat.plain_softmax() if plain_softmax else contextlib.nullcontext():
+            closed, shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
     except TypeError as err:
         raise HlotoolError(f"cannot trace {name_of(fn)}: {first_line(err)}") from err
     out_tree = jax.tree.structure(shape)
     return closed, dyn, lambda outs: jax.tree.unflatten(out_tree, outs)
+
+
+def for_analysis(closed: jaxcompat.ClosedJaxpr, fn: Callable, args: Sequence[Any],
+                 kwargs: Mapping[str, Any]) -> jaxcompat.ClosedJaxpr:
+    """The program to find and rewrite sites in: `closed` (`fn` traced), or, where it calls
+    jax.nn.softmax as a custom_jvp call (jax >= 0.12.1), `fn` traced again with that softmax
+    as plain operations (`jaxcompat.plain_softmax`). A program whose sites all stay native
+    runs as `closed`."""
+    if not jaxcompat.holds_jax_softmax_rule(closed.jaxpr):
+        return closed
+    return trace(fn, args, kwargs, plain_softmax=True)[0]
 
 
 def name_of(fn: Callable) -> str:
@@ -212,10 +227,10 @@ class Rewritten:
         closed, dyn, unflatten = trace(self.fn, args, kwargs)  # the user's errors, as jit's
         off = self.disabled(args, kwargs) if self.disabled is not None else None
         try:
-            plan = plan_program(closed, name_of(self.fn), self.kernel, off,
-                                mesh_of(dyn, self.in_shardings))
+            plan = plan_program(for_analysis(closed, self.fn, args, kwargs), name_of(self.fn),
+                                self.kernel, off, mesh_of(dyn, self.in_shardings))
             self.report = plan.report
-            rewritten = plan.apply()
+            rewritten = plan.apply() if plan.replacements else closed
             outs = jaxcompat.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *dyn)
         except jaxcompat.MissingHook:  # this jax lacks what rewriting needs: said in one line
             raise

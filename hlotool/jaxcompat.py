@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -324,6 +325,87 @@ def canonicalize_platform(platform: str) -> str:
     """jax's canonical name of `platform` ("gpu" → "cuda" or "rocm"); unchanged when this
     jax cannot say."""
     return _canonicalize(platform) if _canonicalize is not None else platform
+
+
+# --- jax.nn.softmax as plain operations: public, an upgrade flag ---------------------------
+# jax 0.12.1 turned `jax_softmax_custom_jvp` on: jax.nn.softmax became a custom_jvp call whose
+# rule is softmax's own derivative. A site partly inside a custom_jvp call stays native (the
+# kernel's derivative would replace the call's rule), so hlotool analyses programs traced as
+# every jax up to 0.12.0 traced them: plain operations, the max shift under stop_gradient,
+# differentiated by autodiff (the same derivative, computed as before 0.12.1).
+# `jax.softmax_custom_jvp` is jax's scoped switch (the flag is part of jit's cache key); a jax
+# that drops it leaves such sites native, saying why.
+_softmax_hook, (_softmax_switch,) = _use(
+    "softmax switch", "rewriting sites that use jax.nn.softmax (jax >= 0.12.1)", ("jax",),
+    ("softmax_custom_jvp",),
+    without="a site whose softmax is jax.nn.softmax's custom_jvp call stays native")
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__))
+
+
+def plain_softmax() -> contextlib.AbstractContextManager:
+    """While active, jax.nn.softmax traces as plain operations (see above)."""
+    return _softmax_switch(False) if _softmax_switch is not None else contextlib.nullcontext()
+
+
+def _is_jax_softmax(eqn: Any) -> bool:
+    body = eqn.params.get("call_jaxpr")
+    info = getattr(getattr(body, "jaxpr", body), "debug_info", None)
+    name, _, where = (getattr(info, "func_src_info", None) or "").partition(" at ")
+    return name == "_softmax" and os.path.abspath(where).startswith(_JAX_DIR + os.sep)
+
+
+def holds_jax_softmax_rule(jaxpr: Any) -> bool:
+    """Whether `jaxpr` (or a body nested in it) calls jax.nn.softmax as a custom_jvp call."""
+    return any((eqn.primitive.name == "custom_jvp_call" and _is_jax_softmax(eqn))
+               or any(holds_jax_softmax_rule(sub) for sub in jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
+
+
+# --- cuDNN's version, off a GPU: private only -----------------------------------------------
+# jax.nn.dot_product_attention(implementation="cudnn") asks cuDNN its version while tracing,
+# through jax's CUDA plugin; where that is not installed (any machine without a GPU) the
+# question raises, and no program using cuDNN attention can be traced for CUDA there.
+# `cudnn_traceable` answers it with ASSUMED_CUDNN: tracing only picks the custom call's
+# configuration, and on a GPU, where jax asks cuDNN itself, nothing is assumed.
+ASSUMED_CUDNN = 90800  # cuDNN 9.8: what jax's CUDA 12 wheels require at least
+_CUDNN_MODULE = "jax._src.cudnn.fused_attention_stablehlo"
+_cudnn_hook, (_cudnn_version,) = _use(
+    "cuDNN version", "the cudnn kernel traced off a GPU (CUDA exports)", (_CUDNN_MODULE,),
+    ("check_cudnn_version",), without="the cudnn kernel is off: CUDA sites run in the next one")
+
+
+def _assumed_cudnn() -> int:
+    return ASSUMED_CUDNN
+
+
+def _cudnn_askable() -> bool:
+    try:
+        _cudnn_version()
+    except Exception:  # noqa: BLE001 - "cuDNN is not detected", or a plugin that cannot load it
+        return False
+    return True
+
+
+def cudnn_untraceable() -> str | None:
+    """Why jax's cuDNN attention cannot be traced everywhere (one line), or None when it can.
+    A rewritten program holds every platform's kernel, so one that cannot be traced off a GPU
+    must not be chosen even for CUDA."""
+    return HOOKS[_cudnn_hook.name].reason
+
+
+@contextlib.contextmanager
+def cudnn_traceable() -> Iterator[None]:
+    """While active, jax's cuDNN attention traces here even without a CUDA plugin (see
+    above); a no-op where jax can ask cuDNN itself."""
+    if _cudnn_version is None or _cudnn_askable():
+        yield
+        return
+    module = importlib.import_module(_CUDNN_MODULE)
+    module.check_cudnn_version = _assumed_cudnn
+    try:
+        yield
+    finally:
+        module.check_cudnn_version = _cudnn_version
 
 
 # --- deviceless TPU topologies: public but experimental ------------------------------------

@@ -30,7 +30,7 @@ import numpy as np
 
 from hlotool import jaxcompat
 from hlotool.errors import first_line
-from hlotool.flash import Rewritten, name_of, plan_program, site_key, trace
+from hlotool.flash import Rewritten, for_analysis, name_of, plan_program, site_key, trace
 
 # Relative tolerance (max |a - b| / max |b|) by dtype of the compared value.
 TOLERANCE = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
@@ -188,7 +188,8 @@ class Validated:
     def _validate(self, args, kwargs) -> tuple[dict[tuple, str], list[str]]:
         args, kwargs, generated = _concrete(args, kwargs)
         closed, _, _ = trace(self._fn, args, kwargs)
-        replacements = plan_program(closed, name_of(self._fn), self._kernel).replacements
+        replacements = plan_program(for_analysis(closed, self._fn, args, kwargs),
+                                    name_of(self._fn), self._kernel).replacements
         keys = [site_key(s) for s, _ in replacements]
         if not keys:
             return {}, []

@@ -472,6 +472,11 @@ class AttentionKernel(abc.ABC):
         """Whether this call hides any key from any query (adapters that pad add theirs)."""
         return call.features.hides_keys
 
+    def stand_in(self) -> AttentionKernel:
+        """This kernel as a machine without its device runs it, for plumbing checks (dry
+        runs): itself, unless it needs a GPU or TPU to run."""
+        return self
+
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array,
                  **options: Unpack[CallOptions]) -> jax.Array:
         """Attention output in `layout`: [B, Lq, Hq, Dv] ("BLHD") or [B, Hq, Lq, Dv] ("BHLD")."""

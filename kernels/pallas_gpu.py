@@ -21,9 +21,10 @@ Upstream builds its `pallas_call`s without a `cost_estimate`, and even with one 
 Triton lowering discards it (`jax/_src/pallas/triton/pallas_call_registration.py` deletes the
 argument), so XLA:GPU sees these calls as opaque; `cost()` is the only estimate.
 
-jax 0.12 deprecates this module in favour of tokamax; the probe keeps that notice for
-`hlotool doctor` instead of printing it on every import. From jax 0.12 on, exporting it for
-CUDA from a machine without a GPU needs an abstract GPU to lower for
+jax 0.12.0 deprecates this module in favour of tokamax (the probe keeps that notice for
+`hlotool doctor` instead of printing it on every import) and jax 0.12.1 removes it: there the
+kernel is off, not broken, and CUDA sites go to the next kernel in line. From jax 0.12 on,
+exporting it for CUDA from a machine without a GPU needs an abstract GPU to lower for
 (`jax.sharding.use_abstract_mesh` with an `AbstractDevice`).
 """
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlotool.hardware import Hardware
-from hlotool.kernels._upstream import UpstreamKernel, probe
+from hlotool.kernels._upstream import Upstream, UpstreamKernel, probe
 from hlotool.kernels.base import (
     Call,
     Features,
@@ -47,6 +48,8 @@ from hlotool.kernels.base import (
 from hlotool.site import AttentionSite
 
 UPSTREAM = "jax.experimental.pallas.ops.gpu.attention"
+# The release that deleted UPSTREAM (0.12.0 deprecated it; tokamax is where it went).
+REMOVED_IN = (0, 12, 1)
 _BLOCK = 128
 # Upstream's mask value (its DEFAULT_MASK_VALUE) for causal and segment-masked keys.
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
@@ -100,6 +103,17 @@ class PallasGpuFlash(UpstreamKernel):
             ("q", "k", "v", "segment_ids", "sm_scale", "causal", "block_sizes", "interpret"),
             ("BlockSizes",),
         )
+        if self._probe.module is None and self.optional:
+            self._probe = Upstream(None, f"jax {jax.__version__} removed {UPSTREAM} (deprecated "
+                                   "in 0.12.0 for tokamax); CUDA sites run in the next kernel")
+
+    @property
+    def optional(self) -> bool:
+        """Off rather than broken (`hlotool doctor`) where jax no longer ships upstream."""
+        return tuple(jax.__version_info__[:3]) >= REMOVED_IN
+
+    def stand_in(self) -> PallasGpuFlash:
+        return PallasGpuFlash(interpret=True)
 
     def _check(self, site: AttentionSite, features: Features) -> Support:
         if features.bias or features.mask or features.kv_lengths:

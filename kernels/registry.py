@@ -17,6 +17,7 @@ from hlotool.kernels.base import (
     AttentionKernel, CallOptions, Features, KernelError, Support, make_call,
 )
 from hlotool.kernels.chunked import Chunked
+from hlotool.kernels.cudnn import CudnnFlash
 from hlotool.kernels.dropout_tpu import DropoutTpu
 from hlotool.kernels.pallas_gpu import PallasGpuFlash
 from hlotool.kernels.pallas_tpu import PallasTpuFlash
@@ -27,8 +28,9 @@ from hlotool.kernels.tokamax import installed as tokamax_installed
 from hlotool.site import AttentionSite
 
 _KERNELS: dict[str, AttentionKernel] = {
-    k.name: k for k in (SplashTpu(), PallasTpuFlash(), DropoutTpu(), PallasGpuFlash(), Chunked(),
-                        Reference(), Tokamax("tpu"), Tokamax("cuda"))
+    k.name: k for k in (SplashTpu(), PallasTpuFlash(), DropoutTpu(), CudnnFlash(),
+                        PallasGpuFlash(), Chunked(), Reference(), Tokamax("tpu"),
+                        Tokamax("cuda"))
 }
 
 # Preference per platform, best first. "default" covers every platform not named (CPU).
@@ -38,11 +40,14 @@ _KERNELS: dict[str, AttentionKernel] = {
 # grouped K/V heads without a dense bias or repeated heads; flash takes biases and arbitrary
 # masks (as a dense bias), as their `supports` say; dropout_tpu takes dropout, which neither
 # has.
-# tokamax_gpu is never preferred (see hlotool.kernels.tokamax); asked for by name, it says why.
+# On CUDA, cuDNN (through jax.nn) first: it takes bfloat16/float16 with causal, key lengths
+# and windows; then jax's Pallas Triton kernel where jax still ships it (float32 too; jax 0.12.1
+# removed it), then chunked. tokamax_gpu is never preferred (see hlotool.kernels.tokamax);
+# asked for by name, it says why.
 _TOKAMAX = ("tokamax_tpu",) if tokamax_installed() else ()
 PRIORITY: dict[str, tuple[str, ...]] = {
     "tpu": (*_TOKAMAX, "splash_tpu", "pallas_tpu", "dropout_tpu", "chunked", "reference"),
-    "cuda": ("pallas_gpu", "chunked", "reference"),
+    "cuda": ("cudnn", "pallas_gpu", "chunked", "reference"),
     "default": ("chunked", "reference"),
 }
 

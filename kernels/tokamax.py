@@ -26,7 +26,7 @@ device check stays (its TPU kernel needs v5 or newer).
 
 tokamax's GPU implementations (triton, mosaic_gpu, cudnn) lower only with a GPU attached;
 hlotool has not tested them, so `tokamax_gpu` reports itself unavailable and CUDA sites go
-to pallas_gpu.
+to the kernels `registry.PRIORITY` lists for CUDA.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ INSTALL = 'pip install "hlotool[tokamax]" (Python >= 3.12, jax >= 0.11.1)'
 _PARAMS = ("query", "key", "value", "bias", "mask", "scale", "is_causal", "implementation")
 _BLOCK = 128  # splash attention's default block, which the lengths must divide
 _GPU_UNTESTED = ("untested: tokamax's GPU kernels (triton, mosaic_gpu, cudnn) lower only with a "
-                 "GPU attached; pallas_gpu runs CUDA sites")
+                 "GPU attached; cudnn, pallas_gpu or chunked run CUDA sites")
 
 
 def installed() -> bool:

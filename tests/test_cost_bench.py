@@ -1,5 +1,5 @@
 """benchmarks/cost_vs_measured.py's GPU path, exercised off a GPU: the one-line refusal when
-jax has no CUDA device, and the dry run (the cuda children on the CPU, Pallas interpret mode)."""
+jax has no CUDA device, and the dry run (the cuda children on the CPU, each kernel's stand-in)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ def test_cuda_without_gpu_is_one_line_and_status_2():
     assert done.stdout == ""
 
 
-def test_dry_run_measures_the_pallas_gpu_kernel_in_interpret_mode():
+def test_dry_run_measures_the_cuda_kernel_through_its_stand_in():
     done = run("--dry-run", "--lengths", "128", "--repeats", "1")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert "DRY RUN" in lines[0] and "bfloat16" in lines[0] and "target h200" in lines[0]
+    assert "DRY RUN: cudnn's stand-in" in lines[0]
+    assert "bfloat16" in lines[0] and "target h200" in lines[0]
     row = next(line for line in lines if line.split()[:1] == ["128"])
     assert "skipped" not in row
     assert row.split()[-1] in ("yes", "NO")

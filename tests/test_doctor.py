@@ -79,7 +79,7 @@ def test_doctor_on_this_install_is_one_screen_and_exits_0():
     assert rows["kernel chunked"] == ("ok", "cpu/tpu/cuda; draws dropout masks per tile")
     assert done.stdout.splitlines()[-1].startswith("all features of this install work")
     assert "features: inspect/dump/cost ok · flash_jit ok · TPU targets ok" in done.stdout
-    assert len(done.stdout.splitlines()) <= 32
+    assert len(done.stdout.splitlines()) <= 36  # a 40-row terminal, with the prompt
     assert "TPU_WORKER_HOSTNAMES" not in done.stderr  # libtpu kept quiet
 
 
@@ -108,6 +108,9 @@ def fast_doctor(monkeypatch):
 @pytest.mark.parametrize(("name", "status", "exit_code", "consequence"), [
     ("dead-code elimination", "FAIL", 1, "flash_jit, hlotool rewrite and diff unavailable"),
     ("platform names", "warn", 0, "an attached GPU is priced as the default chip (h100)"),
+    ("softmax switch", "warn", 0,
+     "a site whose softmax is jax.nn.softmax's custom_jvp call stays native"),
+    ("cuDNN version", "warn", 0, "the cudnn kernel is off: CUDA sites run in the next one"),
 ])
 def test_missing_hook_is_reported_with_its_reason(monkeypatch, fake_module, fast_doctor, name,
                                                   status, exit_code, consequence):
@@ -126,6 +129,9 @@ def test_missing_hook_is_reported_with_its_reason(monkeypatch, fake_module, fast
     assert f"features: inspect/dump/cost ok · flash_jit {flash}" in result.output
     assert result.output.splitlines()[-1].startswith(
         f"1 problem: hook {name}" if status == "FAIL" else "all features of this install work")
+    if name == "cuDNN version":  # the kernel needing it is off, with the hook's reason
+        assert _rows(result.output)["kernel cudnn"] == (
+            "off", f"{JAX}: fake_jax_module has no check_cudnn_version")
 
 
 def test_without_libtpu_tpu_targets_are_off_not_failing(monkeypatch):

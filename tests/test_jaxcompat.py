@@ -18,7 +18,7 @@ import pytest
 from jax import export
 
 import hlotool
-from hlotool import jaxcompat, kernels, targets
+from hlotool import doctor, jaxcompat, kernels, targets
 from hlotool.capture import capture_function
 from hlotool.errors import HlotoolError
 from hlotool.kernels import registry
@@ -59,11 +59,11 @@ def test_every_hook_is_found_on_this_jax():
     assert list(jaxcompat.HOOKS) == [
         "jit lowering", "jaxpr types", "jaxpr evaluation", "eval context",
         "dead-code elimination", "source lines", "source exclusion", "platform names",
-        "TPU topologies"]
+        "softmax switch", "cuDNN version", "TPU topologies"]
     assert [h.name for h in jaxcompat.HOOKS.values() if not h.ok] == []
     assert {h.name for h in jaxcompat.HOOKS.values() if h.private} == {
         "jit lowering", "eval context", "dead-code elimination", "source lines",
-        "platform names"}
+        "platform names", "cuDNN version"}
     assert all(jaxcompat.missing(f) is None for f in jaxcompat.FEATURES)
     assert jaxcompat.ClosedJaxpr is jax.extend.core.ClosedJaxpr
 
@@ -205,13 +205,69 @@ def test_upstream_probe_keeps_deprecation_notices_out_of_the_users_way(fake_modu
 
 
 def test_jax_gpu_attention_deprecation_is_recorded_where_jax_announces_it():
-    gpu = kernels.get("pallas_gpu")
-    assert gpu.unavailable_reason is None
     source = pathlib.Path(jax.__file__).parent / "experimental/pallas/ops/gpu/attention.py"
+    if not source.exists():
+        pytest.skip(f"jax {jax.__version__} no longer ships {source.name} (next test)")
+    gpu = kernels.get("pallas_gpu")
+    assert gpu.unavailable_reason is None and not gpu.optional
     announced = "is deprecated" in source.read_text()
     assert (gpu.deprecated is not None) == announced
     if announced:
         assert gpu.deprecated == "jax.experimental.pallas.ops.gpu.attention is deprecated"
+
+
+def test_jax_gpu_attention_removed_upstream_is_off_not_broken():
+    """jax 0.12.1 deleted the Triton attention op: pallas_gpu is off with that reason, doctor
+    does not fail on it, and CUDA sites go to the next kernel."""
+    source = pathlib.Path(jax.__file__).parent / "experimental/pallas/ops/gpu/attention.py"
+    if source.exists():
+        pytest.skip(f"jax {jax.__version__} still ships {source.name} (previous test)")
+    gpu = registry.registered("pallas_gpu")
+    assert gpu.optional
+    assert gpu.unavailable_reason == (
+        f"jax {jax.__version__} removed jax.experimental.pallas.ops.gpu.attention (deprecated "
+        "in 0.12.0 for tokamax); CUDA sites run in the next kernel")
+    (check,) = [c for c in doctor.kernel_checks() if c.what == "kernel pallas_gpu"]
+    assert check.status == doctor.OFF
+    def attention(q, k, v):  # softmax written out: jax.nn.softmax's custom_jvp stays native
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        p = jnp.exp(s - s.max(-1, keepdims=True))
+        return jnp.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+
+    (site,) = hlotool.explain(attention, *QKV).sites
+    first_available = next(name for name in registry.PRIORITY["cuda"]
+                           if registry.registered(name).unavailable_reason is None)
+    assert site.kernels["cuda"] == first_available != "pallas_gpu"
+
+
+@pytest.mark.parametrize("custom_jvp", [True, False])
+def test_jax_nn_softmax_sites_are_rewritten_whether_or_not_it_is_a_custom_jvp(custom_jvp):
+    """jax 0.12.1 makes jax.nn.softmax a custom_jvp call (`jax_softmax_custom_jvp` on);
+    hlotool finds the site in the program traced with the switch off, on every jax, and the
+    rewrite keeps the outputs and gradients."""
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(hlotool.flash_jit(_attention)(q, k, v)))
+
+    def naive_loss(q, k, v):
+        return jnp.sum(jnp.sin(_attention(q, k, v)))
+
+    with jax.softmax_custom_jvp(custom_jvp):
+        assert hlotool.explain(_attention, *QKV).rewritten == 1
+        got = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(*QKV)
+        want = jax.jit(jax.value_and_grad(naive_loss, (0, 1, 2)))(*QKV)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0,
+                                   atol=2e-5 * float(np.max(np.abs(w))))
+
+
+def test_without_the_softmax_switch_a_custom_jvp_softmax_site_stays_native(monkeypatch):
+    monkeypatch.setattr(jaxcompat, "_softmax_switch", None)
+    with jax.softmax_custom_jvp(True):
+        (site,) = hlotool.explain(_attention, *QKV).sites
+        out = hlotool.flash_jit(_attention)(*QKV)
+    assert not site.rewritten
+    assert site.reason.startswith("part of the attention is inside a custom_jvp_call (_softmax")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(_attention)(*QKV)))
 
 
 def test_kernel_asked_for_by_name_warns_when_unavailable(monkeypatch):

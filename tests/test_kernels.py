@@ -78,9 +78,9 @@ def test_bad_calls_raise_one_line_errors(q_shape, k_shape, kwargs, message):
 
 
 def test_unsupported_call_names_kernel_and_reason():
-    q = jnp.zeros((1, 16, 2, 8))
-    with pytest.raises(kernels.KernelError, match="kernel pallas_gpu: additive bias unsupported"):
-        kernels.get("pallas_gpu")(q, q, q, scale=1.0, bias=jnp.zeros((16, 16)))
+    q = jnp.zeros((1, 16, 2, 8), jnp.bfloat16)
+    with pytest.raises(kernels.KernelError, match="kernel cudnn: additive bias unsupported"):
+        kernels.get("cudnn")(q, q, q, scale=1.0, bias=jnp.zeros((16, 16)))
 
 
 def test_unknown_kernel_name():
@@ -212,9 +212,10 @@ def test_tpu_kernels_price_the_tiles_of_the_chip():
 
 
 def test_registry_lists_and_selects():
-    assert kernels.names() == ["splash_tpu", "pallas_tpu", "dropout_tpu", "pallas_gpu",
+    assert kernels.names() == ["splash_tpu", "pallas_tpu", "dropout_tpu", "cudnn", "pallas_gpu",
                                "chunked", "reference", "tokamax_tpu", "tokamax_gpu"]
-    assert kernels.available() == ["splash_tpu", "pallas_tpu", "dropout_tpu", "pallas_gpu",
+    triton = [] if kernels.registered("pallas_gpu").unavailable_reason else ["pallas_gpu"]
+    assert kernels.available() == ["splash_tpu", "pallas_tpu", "dropout_tpu", "cudnn", *triton,
                                    "chunked", "reference"] + (["tokamax_tpu"] if tokamax_installed() else [])
     def taking(site_, platform):
         k, refusals = kernels.first_taking(site_, platform)
@@ -233,9 +234,13 @@ def test_registry_lists_and_selects():
     assert not kernels.get("dropout_tpu").supports(site())
     assert taking(site(dropout=True, mask="additive"), "tpu")[0] == "chunked"
     assert taking(site(), "cpu") == ("chunked", [])
+    triton = kernels.registered("pallas_gpu").unavailable_reason
     assert taking(site(mask="additive"), "cuda") == ("chunked", [
+        "cudnn: dtype float32 unsupported (cuDNN flash attention takes bfloat16, float16)",
+        f"pallas_gpu unavailable: {triton}" if triton else
         "pallas_gpu: additive bias unsupported (upstream mha takes only causal and one "
         "segment-id array shared by queries and keys)"])
+    assert taking(site(dtype="bfloat16", mask="causal"), "cuda") == ("cudnn", [])
     # A kernel named on a platform it does not run on is refused, not run.
     assert kernels.first_taking(site(), "cpu", kernel="pallas_tpu")[0] is None
     assert kernels.select(site(), "cpu").name == "chunked"  # what attention(kernel="auto") runs
@@ -302,7 +307,35 @@ def test_dispatcher_exports_pallas_tpu_and_runs_chunked_on_cpu():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=0)
 
 
+CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+
+
+def test_dispatcher_exports_cudnn_for_cuda():
+    """bfloat16 causal GQA with key lengths: cuDNN's forward, then its backward, in the CUDA
+    export; a chunked loop beside each, for calls whose logits make its hiding inexact."""
+    q, kv = sds(2, 300, 8, 64, dtype=jnp.bfloat16), sds(2, 300, 2, 64, dtype=jnp.bfloat16)
+    lengths = sds(2, dtype=jnp.int32)
+    checks = [export.DisabledSafetyCheck.custom_call(c) for c in CUDNN]
+
+    def attn(q, k, v, n):
+        return kernels.attention(q, k, v, scale=0.125, causal=True, kv_lengths=n)
+
+    def grad(q, k, v, n):
+        return jax.grad(lambda *a: attn(*a, n).astype(jnp.float32).sum(), (0, 1, 2))(q, k, v)
+
+    fwd = export.export(jax.jit(attn), platforms=["cuda"], disabled_checks=checks)(q, kv, kv,
+                                                                                    lengths)
+    bwd = export.export(jax.jit(grad), platforms=["cuda"], disabled_checks=checks)(q, kv, kv,
+                                                                                   lengths)
+    assert [fwd.mlir_module().count(f"@{c}(") for c in CUDNN] == [1, 0]
+    assert [bwd.mlir_module().count(f"@{c}(") for c in CUDNN] == [1, 1]
+    assert TRITON not in fwd.mlir_module() + bwd.mlir_module()
+    assert "while" in fwd.mlir_module()
+
+
 def test_dispatcher_exports_triton_for_cuda():
+    if kernels.registered("pallas_gpu").unavailable_reason:
+        pytest.skip(kernels.registered("pallas_gpu").unavailable_reason)
     x = sds(2, 256, 4, 64)
     checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
     with off_gpu():
@@ -318,7 +351,7 @@ def test_dispatcher_cuda_falls_back_when_gpu_kernel_refuses():
     f = jax.jit(lambda q, k, v, b: kernels.attention(q, k, v, scale=0.1, bias=b))
     with off_gpu():
         text = export.export(f, platforms=["cuda"], disabled_checks=checks)(x, x, x, bias)
-    assert TRITON not in text.mlir_module()
+    assert TRITON not in text.mlir_module() and "__cudnn" not in text.mlir_module()
     text = export.export(f, platforms=["tpu"])(x, x, x, bias).mlir_module()
     assert text.count("tpu_custom_call") == 1
 

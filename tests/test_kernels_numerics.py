@@ -19,7 +19,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from hlotool.jaxcompat import jaxprs_in_params
 from hlotool.kernels import chunked
+from hlotool.kernels.base import make_call
 from hlotool.kernels.chunked import Chunked
+from hlotool.kernels import cudnn as cudnn_kernel
+from hlotool.kernels.cudnn import CudnnFlash
 from hlotool.kernels.pallas_gpu import PallasGpuFlash
 from hlotool.kernels.pallas_tpu import PallasTpuFlash
 from hlotool.kernels.reference import Reference
@@ -200,7 +203,97 @@ GPU_CASES = [c for c in CASES if c.bias is None and not c.mask and c.kv_lengths 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_pallas_gpu_interpret(case):
-    _check(PallasGpuFlash(interpret=True), case)
+    kernel = PallasGpuFlash(interpret=True)
+    if kernel.unavailable_reason:
+        pytest.skip(kernel.unavailable_reason)
+    _check(kernel, case)
+
+
+def _bf16(case: Case) -> Case:
+    return dataclasses.replace(case, name=f"{case.name}_bf16", dtype="bfloat16")
+
+
+_CASE = {c.name: c for c in CASES + EDGE_CASES}
+# What cuDNN takes: bfloat16 with causal, key lengths (NaN beyond them, a batch row with
+# none), windows that end at the query, grouped K/V heads, Lq ≠ Lk, hard finite fills.
+CUDNN_CASES = [_bf16(_CASE[name]) for name in (
+    "causal_lq_ne_lk", "lq_gt_lk", "single_query", "tail_not_multiple_of_128", "gqa_causal",
+    "mqa", "key_padding_nan", "key_padding_causal", "head_dim_128", "sliding_window",
+    "causal_fill_-1e9", "causal_fill_finfo_min_lq_lt_lk")]
+# What it refuses, and why.
+CUDNN_REFUSED = {
+    "head_dim_256": "head dim 256 unsupported (cuDNN takes multiples of 8 up to 128)",
+    "bias_full": "additive bias unsupported",
+    "boolean_mask": "boolean mask varying along BQK unsupported",
+    "causal_fill_-2": "hidden keys keep logit -2 (a soft mask",
+    "right_offset_fill_-2": "sliding window with right bound 5 unsupported",
+    "both_sides_bias_sinks_softcap": "logit soft-capping and attention sinks unsupported",
+}
+
+
+@pytest.mark.parametrize("case", CUDNN_CASES, ids=lambda c: c.name)
+def test_cudnn_mapping_through_xla(case):
+    """The cudnn adapter's jax.nn call, run by XLA's implementation of it (jax keeps the
+    two equal): causal, lengths, window and fill reach jax.nn as the reference means them."""
+    kernel = CudnnFlash(implementation="xla")
+    call = _call(case)
+    support = kernel.supports(call.site(), call.features)
+    assert support, support.reason
+    _check(kernel, case)
+
+
+def _call(case: Case):
+    (q, k, v, bias), extra, _ = _inputs(case)
+    return make_call(q, k, v, bias=bias, **extra)
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "holes"])
+def test_cudnn_takes_key_padding_as_lengths_where_each_row_keeps_a_prefix(prefix):
+    """A key mask [B, 1, 1, Lk] reaches cuDNN as key lengths where every batch row keeps a
+    prefix of the keys (a row keeping none included); a mask with holes sends the call to
+    the chunked kernel. Either way: the reference's output and gradients."""
+    b, lq, lk, h, d = 3, 40, 72, 2, 16
+    keys = jax.random.split(jax.random.PRNGKey(7), 4)
+    q, k, v = (jax.random.normal(key, (b, length, h, d)).astype(jnp.bfloat16)
+               for key, length in zip(keys, (lq, lk, lk)))
+    lengths = np.array([72, 33, 0])
+    keep = np.arange(lk)[None, :] < lengths[:, None]
+    if not prefix:
+        keep[0, 5] = False
+    mask = jnp.asarray(keep)[:, None, None, :]
+    call = make_call(q, k, v, scale=0.25, causal=True, mask=mask)
+    kernel = CudnnFlash(implementation="xla")
+    assert kernel.supports(call.site(), call.features)
+    assert bool(cudnn_kernel.lengths_are_exact(call)) == prefix
+    # A NaN value it hides makes the naive output NaN (0·NaN), which padding would not.
+    hidden_nan = dataclasses.replace(call, v=jnp.where(keep[:, :, None, None], v, jnp.nan))
+    assert not cudnn_kernel.lengths_are_exact(hidden_nan)
+    cot = jax.random.normal(keys[3], (b, lq, h, d))
+
+    def grads(kernel, *qkv):
+        def loss(q, k, v):
+            out = kernel(q, k, v, scale=0.25, causal=True, mask=mask)
+            return jnp.sum(out.astype(jnp.float32) * cot), out
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(*qkv)
+
+    (_, out), got = grads(kernel, q, k, v)
+    with jax.default_matmul_precision("highest"):
+        (_, ref), want = grads(Reference(), *(x.astype(jnp.float32) for x in (q, k, v)))
+    assert _rel_err(out, ref) <= TOL["bfloat16"]
+    for g, r in zip(got, want):
+        assert not np.isnan(np.asarray(g, np.float32)).any()
+        assert _rel_err(g, r) <= TOL["bfloat16"]
+    np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("name", CUDNN_REFUSED)
+def test_cudnn_refuses_with_its_reason(name):
+    call = _call(_bf16(_CASE[name]))
+    support = CudnnFlash().supports(call.site(), call.features)
+    assert not support and CUDNN_REFUSED[name] in support.reason
+    call = _call(_CASE["causal_lq_ne_lk"])
+    assert CudnnFlash().supports(call.site(), call.features).reason == (
+        "dtype float32 unsupported (cuDNN flash attention takes bfloat16, float16)")
 
 
 def test_layout_bhld_matches_blhd():

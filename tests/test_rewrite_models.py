@@ -34,25 +34,45 @@ def relative_error(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def tpu_custom_calls(fn, *args, **jit_kwargs) -> int:
-    """`tpu_custom_call`s executed by @main of the TPU export: identical kernels lower to one
-    private function called from each site, so calls are followed, not text counted."""
-    exported = jax.export.export(hlotool.flash_jit(fn, **jit_kwargs), platforms=["tpu"])(*args)
+def custom_calls(text: str, target: str) -> int:
+    """Custom calls to `target` executed by @main of an export's text: identical kernels
+    lower to one private function called from each site, so calls are followed, not text
+    counted."""
     direct: dict[str, int] = {}
     callees: dict[str, list[str]] = {}
     name = None
-    for line in exported.mlir_module().splitlines():
+    for line in text.splitlines():
         if m := re.search(r"func\.func (?:public |private )?@([\w.$-]+)\(", line):
             name = m.group(1)
             direct[name], callees[name] = 0, []
         elif name is not None:
-            direct[name] += line.count("stablehlo.custom_call @tpu_custom_call")
+            direct[name] += line.count(f"stablehlo.custom_call @{target}(")
             callees[name] += re.findall(r"(?<!custom_)call @([\w.$-]+)\(", line)
 
     def total(f: str) -> int:
         return direct[f] + sum(total(c) for c in callees[f])
 
     return total("main")
+
+
+def tpu_custom_calls(fn, *args, **jit_kwargs) -> int:
+    """`tpu_custom_call`s executed by the TPU export of flash_jit(fn)."""
+    exported = jax.export.export(hlotool.flash_jit(fn, **jit_kwargs), platforms=["tpu"])(*args)
+    return custom_calls(exported.mlir_module(), "tpu_custom_call")
+
+
+CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+
+
+def cudnn_calls(fn, *args, **jit_kwargs) -> tuple[list[int], list[int]]:
+    """cuDNN's forward and backward calls executed by the CUDA export of flash_jit(fn), and
+    of the gradient of a loss of it with respect to its second argument."""
+    fast = hlotool.flash_jit(fn, **jit_kwargs)
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fast(*a).astype(jnp.float32))), 1))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in CUDNN]
+    texts = [jax.export.export(f, platforms=["cuda"], disabled_checks=checks)(*args)
+             .mlir_module() for f in (fast, grad)]
+    return tuple([custom_calls(text, c) for c in CUDNN] for text in texts)
 
 
 def check(fn, args, sites: int, tol: float = 1e-5, **jit_kwargs) -> None:
@@ -181,6 +201,8 @@ def test_jax_nn_dot_product_attention(hkv, causal):
 
     check(forward, (q, kv, kv), sites=1)
     check_grad(forward, (q, kv, kv), argnums=(0, 1, 2))
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, kv, kv)]
+    assert cudnn_calls(forward, *bf16) == ([1, 0], [1, 1])
 
 
 def test_flax_linen_bfloat16():
@@ -226,3 +248,6 @@ def test_example_padded_encoder(dtype, tol):
     x = jax.random.normal(jax.random.key(1), (2, L, 16)).astype(dtype)
     lengths = jnp.array([L, L // 2])
     check(m.encode, (params, x, lengths, 2), sites=2, tol=tol, static_argnames="heads")
+    # On CUDA: cuDNN, its key padding mask as key lengths, where it takes the dtype.
+    fwd, bwd = cudnn_calls(lambda p, x, n: m.encode(p, x, n, 2), params, x, lengths)
+    assert (fwd, bwd) == (([2, 0], [2, 2]) if dtype == "bfloat16" else ([0, 0], [0, 0]))

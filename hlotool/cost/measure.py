@@ -8,11 +8,12 @@ Each call's minor page faults are counted too: XLA:CPU allocates a call's tempor
 and the OS faults every page of them in again, which for the naive program's L×L buffers is a
 large share of its time on a host (see `benchmarks/cost_vs_measured.py`).
 
-platform "cpu" (default) times the CPU's kernel (chunked) on XLA:CPU; "cuda" times the Pallas
-GPU kernel (`hlotool.kernels.get("pallas_gpu")`) on the first CUDA device and also reports
-its peak device memory (`memory_stats()["peak_bytes_in_use"]`). `interpret=True` runs the
-cuda child on the CPU with the Pallas kernel in interpret mode: a plumbing check, never a
-timing.
+platform "cpu" (default) times the CPU's kernel (chunked) on XLA:CPU; "cuda" times the kernel
+the registry picks for CUDA (`kernel_for`: cudnn for bfloat16 and float16, pallas_gpu where jax
+still ships it, else chunked) on the first CUDA device and also reports its peak device memory
+(`memory_stats()["peak_bytes_in_use"]`). `interpret=True` runs the cuda child on the CPU with
+that kernel's stand-in (`AttentionKernel.stand_in`: Pallas in interpret mode, cuDNN's jax.nn
+call through XLA): a plumbing check, never a timing.
 
 Run as `python -m hlotool.cost.measure SITE_JSON SIDE REPEATS [OPTIONS_JSON]`; prints one
 JSON line.
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
 # Keep a child under this much predicted memory: the machine is shared.
 DEFAULT_LIMIT_BYTES = 12 * 10**9
 PLATFORMS = ("cpu", "cuda")
-# The kernel a platform's child times (cpu: whatever `kernel_for` picks for the host).
-_KERNEL = {"cuda": "pallas_gpu"}
+# The chip whose platform picks the kernel a child times (`kernel_for`).
+_CHIP = {"cpu": "cpu", "cuda": "h100"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +125,9 @@ def _site_from_json(doc: dict[str, Any]) -> AttentionSite:
 def _kernel(site: AttentionSite, platform: str, interpret: bool) -> AttentionKernel:
     from hlotool.cost.model import kernel_for
     from hlotool.hardware import HARDWARE
-    from hlotool.kernels import KernelError, get
 
-    if platform == "cpu":
-        return kernel_for(site, HARDWARE["cpu"])
-    kernel = get(_KERNEL[platform])
-    support = kernel.supports(site)
-    if not support:
-        raise KernelError(f"{kernel.name} does not take this site: {support.reason}")
-    return type(kernel)(interpret=True) if interpret else kernel
+    kernel = kernel_for(site, HARDWARE[_CHIP[platform]])
+    return kernel.stand_in() if interpret else kernel
 
 
 def _child(site: AttentionSite, side: str, repeats: int, platform: str = "cpu",
