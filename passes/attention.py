@@ -762,8 +762,23 @@ def _read_post_factor(labelled: _Labelled, link: Link, below: tuple[Link, ...],
         read.beside.append(MaskTerm("dropout", node, factor, shape,
                                     labelled.roles.layout(node.shape, labels, "BHLK")))
         return
-    read.multipliers.append(Multiplier(node, factor, shape,
-                                       labelled.roles.layout(node.shape, labels, "BHLK")))
+    layout = labelled.roles.layout(node.shape, labels, "BHLK")
+    if _varies_along_folded_batch(layout, shape):
+        raise _Reject("the probabilities are multiplied by a factor varying along heads "
+                      "folded into the batch axis, whose order there is not tracked")
+    read.multipliers.append(Multiplier(node, factor, shape, layout))
+
+
+def _varies_along_folded_batch(layout: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether a factor of broadcast `shape` varies along a batch axis that the layout folds
+    together with another one (heads merged into the batch, [B·H, L, D]): the soundness fuzz
+    found such a head mask mapped h-major where the program folds b-major."""
+    batch = [j for j, (role, n) in enumerate(zip(layout.roles, layout.split))
+             if role in "B1" and n > 1]
+    if len(batch) < 2:
+        return False
+    return any(any(shape[a] != 1 for a in ga) and set(gb) & set(batch)
+               for ga, gb in axes.reshape_groups(layout.shape, layout.split) or ())
 
 
 def _reported_scale(m: dict, operands: _Operands, scale: float) -> float | None:

@@ -846,8 +846,9 @@ def _terms(p: Program, args, count: int) -> list[float]:
     c = abs(_after(p.steps, -1))
     do = 3.0  # the projection's weights are standard normal
     # A bias added before scale steps has their product in its gradient, as q and k have C.
+    # One computed from q or k is no argument: it has no gradient of its own to check.
     biases = [do * v * abs(_after(p.steps, at)) for at, step in enumerate(p.steps)
-              if step.kind == "bias"]
+              if step.kind == "bias" and step.shape not in ("from_q", "from_k")]
     head_mask = [do * v] if p.head_mask == "data" else []
     sinks = [do * v] if p.sinks else []
     terms = [v, do * v * c * k, do * v * c * q, do] + biases + head_mask + sinks

@@ -44,6 +44,16 @@ BLHD = attention("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd")
 BHLD = attention("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")
 
 
+def causal_blhd(q, k, v):
+    """BLHD, causal. Unmasked, a small site is fused whole (scores and all) into one YNNPACK
+    fusion by XLA:CPU at some shapes (jaxlib 0.12.1: [2, 64, 4, 16]), leaving no score buffer
+    to see; masked, its scores stay buffers on every jaxlib."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    length = q.shape[1]
+    s = jnp.where(jnp.tril(jnp.ones((length, length), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
 # (example, script args, per site: function, source line, canonical (B, Lq, Hq, D), mask,
 #  mask shape, scale, score bytes)
 EXAMPLE_SITES = [
@@ -124,15 +134,16 @@ def test_no_sites_exits_zero(tmp_path):
 
 def test_native_fate_on_cpu_names_fusions_and_score_buffers():
     x = jnp.zeros((2, 64, 4, 16), jnp.float32)  # [B, L, H, D]
-    [f] = capture_function(jax.jit(BLHD), x, x, x)
+    [f] = capture_function(jax.jit(causal_blhd), x, x, x)
     [fate] = native_fate(f, "cpu")
     assert (fate.site.q_len, fate.site.num_q_heads, fate.target) == (64, 4, "cpu")
     whats = [p.what for p in fate.placements]
     assert ("fusion kCustom __ynn_fusion" in whats) == YNN and not fate.online_softmax
-    # At least the QKᵀ contraction's output and the normalized probabilities stay [B, H, L, L].
-    assert [p.shape for p in fate.placements if p.score_sized] == ["f32[2,4,64,64]"] * (
-        SCORE_BUFFERS)
-    assert fate.score_buffers == SCORE_BUFFERS
+    # At least the QKᵀ contraction's output and the normalized probabilities stay [B, H, L, L]
+    # (two with YNNPACK's fusions from jaxlib 0.12.1, four before).
+    scores = [p.shape for p in fate.placements if p.score_sized]
+    assert set(scores) == {"f32[2,4,64,64]"} and len(scores) >= 2
+    assert fate.score_buffers == len(scores)
 
 
 def test_native_fate_on_tpu_shows_xla_online_softmax_by_layout():
@@ -156,7 +167,7 @@ def test_native_fate_on_tpu_shows_xla_online_softmax_by_layout():
 
 def two_layers(q, k, v):
     for _ in range(2):
-        q = jnp.tanh(BLHD(q, k, v))  # both sites share every op_name and source line
+        q = jnp.tanh(causal_blhd(q, k, v))  # both sites share every op_name and source line
     return q
 
 

@@ -235,9 +235,8 @@ def test_jax_gpu_attention_removed_upstream_is_off_not_broken():
         return jnp.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
 
     (site,) = hlotool.explain(attention, *QKV).sites
-    first_available = next(name for name in registry.PRIORITY["cuda"]
-                           if registry.registered(name).unavailable_reason is None)
-    assert site.kernels["cuda"] == first_available != "pallas_gpu"
+    assert site.kernels["cuda"] == registry.select(site.site, "cuda").name == "chunked"
+    assert "pallas_gpu: pallas_gpu unavailable: jax " in site.reason
 
 
 @pytest.mark.parametrize("custom_jvp", [True, False])

@@ -92,10 +92,28 @@ def test_unknown_kernel_name():
 
 
 def test_supports_reasons():
-    tpu, gpu, chunked = (kernels.get(n) for n in ("pallas_tpu", "pallas_gpu", "chunked"))
+    tpu, cudnn, chunked = (kernels.get(n) for n in ("pallas_tpu", "cudnn", "chunked"))
     assert tpu.supports(site(q_len=1000, kv_len=1000, head_dim=192, v_head_dim=192))
     no = tpu.supports(site(dtype="float16"))
     assert not no and no.reason == "dtype float16 unsupported (TPU flash takes float32, bfloat16)"
+    assert cudnn.supports(site(dtype="float16", num_kv_heads=1, q_len=1000, kv_len=1000))
+    assert cudnn.supports(site(dtype="bfloat16", mask="boolean", mask_axes="BK"))
+    assert cudnn.supports(site(dtype="bfloat16", mask="boolean", mask_axes="QK")).reason == (
+        "boolean mask varying along QK unsupported (cuDNN would read it as a dense "
+        "[B, H, Lq, Lk] bias; it takes masks as key lengths, causal, window)")
+    assert cudnn.supports(site(dtype="bfloat16", window=(None, 5))).reason == (
+        "sliding window with right bound 5 unsupported (cuDNN's windows end at the query)")
+    assert cudnn.supports(site(dtype="bfloat16", head_dim=64, v_head_dim=32)).reason == (
+        "head dims q/k 64 and v 32 differ (cuDNN needs a Hopper attached at trace time for "
+        "that)")
+    assert chunked.supports(site(mask="boolean", head_dim=192, v_head_dim=80, num_kv_heads=2))
+    assert not chunked.supports(site(dtype="int8"))
+
+
+def test_pallas_gpu_supports_reasons():
+    gpu = kernels.registered("pallas_gpu")
+    if gpu.unavailable_reason:
+        pytest.skip(gpu.unavailable_reason)
     assert gpu.supports(site(num_kv_heads=1, q_len=1000, kv_len=1000))
     assert not gpu.supports(site(mask="boolean"))
     assert gpu.supports(site(), kernels.Features(kv_lengths=True)).reason.startswith(
@@ -103,8 +121,6 @@ def test_supports_reasons():
     no = gpu.supports(site(q_len=300, kv_len=200))
     assert no.reason == ("q length 300 > kv length 200, which needs padding to a multiple "
                          "of 128 or a power of two: padded keys cannot be masked")
-    assert chunked.supports(site(mask="boolean", head_dim=192, v_head_dim=80, num_kv_heads=2))
-    assert not chunked.supports(site(dtype="int8"))
 
 
 # --- costs ------------------------------------------------------------------------------
@@ -237,7 +253,7 @@ def test_registry_lists_and_selects():
     triton = kernels.registered("pallas_gpu").unavailable_reason
     assert taking(site(mask="additive"), "cuda") == ("chunked", [
         "cudnn: dtype float32 unsupported (cuDNN flash attention takes bfloat16, float16)",
-        f"pallas_gpu unavailable: {triton}" if triton else
+        f"pallas_gpu: pallas_gpu unavailable: {triton}" if triton else
         "pallas_gpu: additive bias unsupported (upstream mha takes only causal and one "
         "segment-id array shared by queries and keys)"])
     assert taking(site(dtype="bfloat16", mask="causal"), "cuda") == ("cudnn", [])

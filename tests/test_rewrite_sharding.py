@@ -20,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hlotool
+from hlotool import kernels
 from hlotool.passes.from_jaxpr import detect_jaxpr
 
 B, L, H, D = 4, 512, 4, 16
@@ -65,7 +66,10 @@ def test_eight_cpu_devices_explicit_mesh():
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 8 and result["shard_map"] == 3  # cpu, tpu and cuda branches
+    # One per platform branch: cpu, tpu and cuda, where float32 on CUDA has a kernel of its
+    # own (jax's Triton kernel; jax 0.12.1 removed it, and there cuda shares cpu's chunked).
+    branches = 3 if kernels.registered("pallas_gpu").unavailable_reason is None else 2
+    assert result["devices"] == 8 and result["shard_map"] == branches
     assert result["error"] < 1e-5 and result["grad_error"] < 1e-5
     # jax < 0.10 spells PartitionSpec out in its repr.
     assert result["out_spec"].replace("PartitionSpec(", "P(") == "P('data', None, 'model', None)"
@@ -81,7 +85,7 @@ def test_deviceless_tpu_v5e_2x2_compiles_with_kernel_per_shard():
     # One per platform branch running a kernel: cpu, tpu and cuda.
     plain = jax.ShapeDtypeStruct(specs[0].shape, specs[0].dtype)
     (site,) = hlotool.explain(causal, plain, plain, plain).sites
-    assert site.kernels == {"cpu": "chunked", "tpu": "splash_tpu", "cuda": "pallas_gpu"}
+    assert site.kernels == {"cpu": "chunked", "tpu": "splash_tpu", "cuda": "cudnn"}
     assert str(traced.jaxpr).count("shard_map[") == 3
     lowered = traced.lower()
     assert lowered.as_text().count("stablehlo.custom_call @tpu_custom_call") == 1

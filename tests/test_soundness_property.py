@@ -262,6 +262,24 @@ FOUND_GROWN = [
         kernel_blocks=True), "rewritten",
         id="v through fp8 in a bfloat16 program: jax rounds dv to fp8 too, one fp8 step "
         "(4.5 or 5.0) is its tolerance"),
+    pytest.param(Program(
+        dtype="float32", layout="merged", b=2, hq=2, hkv=1, lq=1, lk=2, d=16,
+        steps=(Step(kind="bias", shape="from_q", extreme="finfo.min"),
+               Step(kind="bias", shape="from_q", extreme="finfo.min"),
+               Step(kind="causal_bias", value=-10000.0),
+               Step(kind="scale", op="div", value=0.0005)),
+        manual_softmax=True, head_mask="data", post_mask="repeat", sinks=True, seed=65535,
+        kernel="chunked"), "native",
+        id="a head mask with the heads folded into the batch: mapped h-major where the "
+        "program folds b-major (out 30% off); refused"),
+    pytest.param(Program(
+        dtype="float32", layout="BLHD", b=1, hq=1, hkv=1, lq=129, lk=1, d=8,
+        steps=(Step(kind="bias", shape="from_k"),
+               Step(kind="bias", shape="b11k", extreme="-inf"),
+               Step(kind="scale", value=1e-06), Step(kind="bias", shape="1hqk")),
+        kernel="chunked"), "rewritten",
+        id="a bias computed from k has no gradient of its own: the check gave its "
+        "tolerance to the next bias (7e-7 against 5.5e-6, not 5.5)"),
 ]
 
 
