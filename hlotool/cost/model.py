@@ -2,8 +2,9 @@
 
 Native is the naive formula as XLA runs it unfused (`hlotool.kernels.base.naive_cost`): the
 [B, Hq, Lq, Lk] scores and probabilities go through HBM. Kernel is the flash kernel the
-registry picks for the chip's platform (splash_tpu, pallas_tpu or dropout_tpu, pallas_gpu, or
-chunked on the CPU), with that kernel's own block sizes (`AttentionKernel.cost`).
+registry picks for the chip's platform (splash_tpu, pallas_tpu or dropout_tpu on TPU; cudnn,
+pallas_gpu or chunked on a GPU; chunked on the CPU), with that kernel's own block sizes
+(`AttentionKernel.cost`).
 
 Roofline. An unfused program runs op after op, each bounded by its own compute or memory
 time, so native time is a sum over phases (QKᵀ, softmax, P·V; and for the backward dP, dS, the
