@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 import jax
+import numpy as np
 
 from hlotool import jaxcompat
 from hlotool.hardware import Hardware, for_device_kind, get_hardware
@@ -32,6 +33,10 @@ from hlotool.kernels.chunked import Chunked
 
 # TPU kernels tile lengths by lanes of 128.
 LANES = 128
+# The logit upstream kernels give the keys they hide (their DEFAULT_MASK_VALUE; cuDNN's is
+# assumed no larger), in place of a call's `fill`: finite, so a fully masked row cannot
+# produce inf - inf.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,11 +32,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hlotool import jaxcompat
 from hlotool.hardware import Hardware
-from hlotool.kernels._upstream import UpstreamKernel, probe, with_hidden_keys
+from hlotool.kernels._upstream import MASK_VALUE, UpstreamKernel, probe, with_hidden_keys
 from hlotool.kernels.base import (
     Call,
     Features,
@@ -53,9 +52,6 @@ _DTYPES = ("bfloat16", "float16")
 _MAX_HEAD_DIM = 128
 # cuDNN's tiles, for the cost model (its flash kernels use 64-128 rows per block).
 _BLOCK = 128
-# What cuDNN gives a masked logit is its own; the exactness check assumes one no larger than
-# the other kernels' large negative constant.
-_MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
 def _window_refusal(band: tuple[int | None, int | None] | None) -> str | None:
@@ -106,7 +102,7 @@ class CudnnFlash(UpstreamKernel):
     name = "cudnn"
     platforms = ("cuda",)
     extras = frozenset({"window"})
-    hidden_logit = _MASKED
+    hidden_logit = MASK_VALUE  # cuDNN's own is assumed no larger
 
     def __init__(self, implementation: str = "cudnn") -> None:
         self.implementation = implementation

@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hlotool.hardware import Hardware
-from hlotool.kernels._upstream import Upstream, UpstreamKernel, probe
+from hlotool.kernels._upstream import MASK_VALUE, Upstream, UpstreamKernel, probe
 from hlotool.kernels.base import (
     Call,
     Features,
@@ -51,8 +50,6 @@ UPSTREAM = "jax.experimental.pallas.ops.gpu.attention"
 # The release that deleted UPSTREAM (0.12.0 deprecated it; tokamax is where it went).
 REMOVED_IN = (0, 12, 1)
 _BLOCK = 128
-# Upstream's mask value (its DEFAULT_MASK_VALUE) for causal and segment-masked keys.
-_MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
 def _pow2(n: int) -> bool:
@@ -94,7 +91,7 @@ class PallasGpuFlash(UpstreamKernel):
 
     name = "pallas_gpu"
     platforms = ("cuda",)
-    hidden_logit = _MASKED
+    hidden_logit = MASK_VALUE
 
     def __init__(self, interpret: bool = False) -> None:
         self.interpret = interpret

@@ -33,7 +33,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from hlotool import jaxcompat
@@ -41,6 +40,7 @@ from hlotool.hardware import Hardware
 from hlotool.kernels._costed import with_backward_costs
 from hlotool.kernels._upstream import (
     LANES,
+    MASK_VALUE,
     PaddedTpuKernel,
     padded_length,
     probe,
@@ -59,8 +59,6 @@ from hlotool.kernels.base import (
 from hlotool.site import AttentionSite
 
 UPSTREAM = "jax.experimental.pallas.ops.tpu.flash_attention"
-# Upstream's own mask value: finite, so a fully masked row cannot produce inf - inf.
-_MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
 def padded_head_dim(d: int, dv: int) -> int:
@@ -86,7 +84,7 @@ class PallasTpuFlash(PaddedTpuKernel):
 
     name = "pallas_tpu"
     platforms = ("tpu",)
-    hidden_logit = _MASKED
+    hidden_logit = MASK_VALUE
 
     def __init__(self) -> None:
         self._probe = probe(
@@ -135,7 +133,7 @@ class PallasTpuFlash(PaddedTpuKernel):
             if call.bias is not None:
                 ab = ab + call.bias.astype(jnp.float32)
             if call.mask is not None:
-                ab = jnp.where(call.mask, ab, _MASKED)
+                ab = jnp.where(call.mask, ab, MASK_VALUE)
             ab = jnp.broadcast_to(ab, (b, hq, lq, lk))
             ab = jnp.pad(ab, ((0, 0), (0, 0), (0, lq_p - lq), (0, lk_p - lk)))
 

@@ -35,6 +35,7 @@ import numpy as np
 from hlotool import jaxcompat
 from hlotool.hardware import Hardware
 from hlotool.kernels._upstream import (
+    MASK_VALUE,
     PaddedTpuKernel,
     padded_length,
     probe,
@@ -51,8 +52,6 @@ from hlotool.kernels.base import (
 from hlotool.site import CAUSAL, AttentionSite
 
 UPSTREAM = "jax.experimental.pallas.ops.tpu.splash_attention"
-# Splash's DEFAULT_MASK_VALUE: the logit of a key it hides.
-_MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
 class SplashTpu(PaddedTpuKernel):
@@ -63,7 +62,7 @@ class SplashTpu(PaddedTpuKernel):
 
     name = "splash_tpu"
     platforms = ("tpu",)
-    hidden_logit = _MASKED
+    hidden_logit = MASK_VALUE
     extras = frozenset({"softcap", "sinks", "window", "segments"})
 
     def __init__(self, interpret: bool = False) -> None:

@@ -42,7 +42,13 @@ import numpy as np
 
 from hlotool import jaxcompat
 from hlotool.hardware import Hardware
-from hlotool.kernels._upstream import PaddedTpuKernel, Upstream, padded_length, probe
+from hlotool.kernels._upstream import (
+    MASK_VALUE,
+    PaddedTpuKernel,
+    Upstream,
+    padded_length,
+    probe,
+)
 from hlotool.kernels.base import (
     Call,
     Features,
@@ -69,8 +75,7 @@ class Tokamax(PaddedTpuKernel):
     """tokamax's attention for one platform behind the common interface."""
 
     optional = True  # an extra: unavailable here is not a broken install (`hlotool doctor`)
-    # Splash attention's mask value (its DEFAULT_MASK_VALUE) for hidden and padded keys.
-    hidden_logit = -0.7 * float(np.finfo(np.float32).max)
+    hidden_logit = MASK_VALUE  # splash's, for hidden and padded keys
 
     def __init__(self, platform: str) -> None:
         self.name = f"tokamax_{'gpu' if platform == 'cuda' else platform}"
