@@ -85,16 +85,22 @@ def main() -> int:
         seed += 1
     start = time.perf_counter()
     rows = []
+    interrupted = False
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-        for part in pool.imap_unordered(_work, tasks):
-            rows.extend(part)
-            bad_so_far = sum(r[1] in BAD for r in rows)
-            print(f"  {len(rows)}/{args.examples} programs, {bad_so_far} wrong or crashed, "
-                  f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-            for _, outcome, detail, program in part:
-                if outcome in BAD:
-                    print(f"  {outcome.upper()}: {detail}\n    {program}", file=sys.stderr,
-                          flush=True)
+        try:
+            for part in pool.imap_unordered(_work, tasks):
+                rows.extend(part)
+                bad_so_far = sum(r[1] in BAD for r in rows)
+                print(f"  {len(rows)}/{args.examples} programs, {bad_so_far} wrong or crashed, "
+                      f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+                for _, outcome, detail, program in part:
+                    if outcome in BAD:
+                        print(f"  {outcome.upper()}: {detail}\n    {program}", file=sys.stderr,
+                              flush=True)
+        except KeyboardInterrupt:
+            # A long run stopped by hand (kill -INT on this process) still reports the
+            # programs it finished: the table is the run's result.
+            interrupted = True
     seconds = time.perf_counter() - start
 
     per_feature: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -106,7 +112,8 @@ def main() -> int:
     width = max(len(f) for f in per_feature) if per_feature else 10
     print(f"{len(rows)} programs in {seconds:.0f} s ({args.jobs} job(s), seeds "
           f"{args.seed}..{seed - 1}, mode {args.mode}"
-          f"{', optimization level 0' if args.fast_compile else ''})\n")
+          f"{', optimization level 0' if args.fast_compile else ''}"
+          f"{', interrupted' if interrupted else ''})\n")
     columns = ("wrong", "crashed", "native", "rewritten", "overflowed")
     print(f"{'feature':<{width}}  " + "  ".join(f"{c:>9}" for c in columns))
     print(f"{'-' * width}  " + "  ".join("-" * 9 for _ in columns))
@@ -116,7 +123,7 @@ def main() -> int:
     bad = [r for r in rows if r[1] in BAD]
     for _, outcome, detail, program in bad:
         print(f"\n{outcome.upper()}: {detail}\n  {program}")
-    return 1 if bad else 0
+    return 1 if bad or interrupted else 0
 
 
 if __name__ == "__main__":
