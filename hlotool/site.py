@@ -53,6 +53,10 @@ class AttentionSite:
     dtype: str
     scale: float | None  # multiplier of the scores (q/√d → 1/√d); None when unscaled
     mask: MaskKind = "none"
+    # The mask hides every key after the query's own position: `mask` "causal" alone, or a
+    # causal factor ANDed with the boolean or additive operand `mask` names (causal & key
+    # padding). Set from `mask` == "causal" when not given.
+    causal: bool = False
     # Shape of the mask/bias operand as broadcast against the [.., Lq, Lk] scores, in the
     # program's own layout; None when there is no operand (e.g. an iota-built causal mask).
     mask_shape: tuple[int, ...] | None = None
@@ -97,6 +101,10 @@ class AttentionSite:
     def __post_init__(self) -> None:
         if self.mask not in MASK_KINDS:
             raise ValueError(f"mask must be one of {MASK_KINDS}, got {self.mask!r}")
+        if self.mask == "causal":
+            object.__setattr__(self, "causal", True)
+        elif self.causal and self.mask in ("none", "local"):
+            object.__setattr__(self, "mask", "causal")
         if self.num_kv_heads <= 0 or self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"query heads ({self.num_q_heads}) must be a multiple of key/value heads "
@@ -127,8 +135,25 @@ class AttentionSite:
         return tuple(out)
 
     @property
-    def causal(self) -> bool:
-        return self.mask == "causal"
+    def mask_factors(self) -> tuple[str, ...]:
+        """The mask as the AND of factors reports name: "causal", then the operand as "key
+        padding" ([B, 1, 1, Lk]: varies along batch and keys only), "query padding", or its
+        kind; the window and segment ids are among `variants`."""
+        out = ["causal"] if self.causal else []
+        if self.mask in ("boolean", "additive"):
+            along = set(self.mask_axes or "")
+            if self.mask == "boolean" and "K" in along and along <= {"B", "K"}:
+                out.append("key padding")
+            elif self.mask == "boolean" and "Q" in along and along <= {"B", "Q"}:
+                out.append("query padding")
+            else:
+                out.append(self.mask)
+        return tuple(out)
+
+    @property
+    def mask_text(self) -> str:
+        """`mask_factors` joined by " & " ("causal & key padding"), or the mask kind."""
+        return " & ".join(self.mask_factors) or self.mask
 
     @property
     def band(self) -> Band | None:

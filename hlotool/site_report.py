@@ -92,7 +92,7 @@ class Report:
         for i, s in enumerate(self.sites):
             a = s.site
             lines.append(f"  [{i}] {a.source or '?'} ({s.where}) q{list(a.q_shape)} "
-                         f"k{list(a.k_shape)} {a.dtype} mask={a.mask}"
+                         f"k{list(a.k_shape)} {a.dtype} mask={a.mask_text}"
                          f"{''.join(', ' + v for v in a.variants)}")
             if s.blocker:
                 lines.append(f"      {', '.join(s.choices)}: native — {s.blocker}")

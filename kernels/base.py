@@ -120,7 +120,7 @@ class Features:
     @classmethod
     def of_site(cls, site: AttentionSite) -> Features:
         return cls(
-            causal=site.mask == "causal",
+            causal=site.causal,
             bias=site.mask == "additive",
             mask=site.mask == "boolean",
             finite_fill=site.mask_fill is not None and math.isfinite(site.mask_fill),
@@ -241,7 +241,7 @@ class Call:
         return AttentionSite(
             batch=b, q_len=lq, kv_len=lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
             v_head_dim=dv, dtype=str(self.q.dtype), scale=self.scale, mask=kind,
-            mask_axes=axes if operands else None,
+            causal=self.causal, mask_axes=axes if operands else None,
             q_shape=tuple(self.q.shape), k_shape=tuple(self.k.shape),
             v_shape=tuple(self.v.shape), layout="BLHD",
             mask_fill=None if kind == "none" else self.fill, softcap=self.softcap,

@@ -850,7 +850,7 @@ def _attention_site(m: dict, function: str, operands: _Operands, scale: float | 
     return AttentionSite(
         batch=b, q_len=lq, kv_len=lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
         v_head_dim=dv, dtype=_compute_dtype(*scores.inputs, *out.inputs), scale=scale,
-        mask=kind,
+        mask=kind, causal=kind == "causal" or (chain.refusal is None and chain.causal),
         mask_shape=reported.shape if reported is not None and kind in ("additive", "boolean")
         else None,
         mask_fill=chain.fill if chain.refusal is None and chain.masks else None,
@@ -1279,31 +1279,32 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
     if not keep:
         return None
 
-    def fits(n: Node) -> bool:  # jaxpr's `and` broadcasts unit axes of equal-rank operands
-        return len(n.shape) == len(pred.shape) and all(
-            a in (1, b) for a, b in zip(n.shape, pred.shape))
+    def fits(n: Node, into: Node) -> bool:  # jaxpr's `and` broadcasts unit axes of equal rank
+        return len(n.shape) == len(into.shape) and all(
+            a in (1, b) for a, b in zip(n.shape, into.shape))
 
-    leaves, stack = [], [pred]
+    leaves, stack = [], [(pred, pred, labels)]
     while stack:
-        n = stack.pop()
+        n, into, at_labels = stack.pop()
+        if not fits(n, into):
+            return None
         while n.op in ("convert", "copy") and n.inputs[0].dtype == "bool":
             n = n.inputs[0]  # a cast from a number is the factor itself: x != 0
-        found = _nonzero_of_zero_one(n, labels) if n.op == "compare" else None
+        found = _nonzero_of_zero_one(n, at_labels) if n.op == "compare" else None
         if found is not None and found[0].shape == n.shape:
             n = found[0]
-        if n.op == "and" and fits(n):
-            stack.extend(reversed(n.inputs))
-        elif n.op == "min" and fits(n):  # of numbers cast from booleans (`_zero_one_sides`)
-            stack.extend(reversed(_zero_one_sides(n)))
-        elif fits(n):
-            leaves.append(n)
+        inner, inner_labels = _and_within(n, at_labels)
+        if inner.op == "and":
+            stack.extend((x, inner, inner_labels) for x in reversed(inner.inputs))
+        elif inner.op == "min":  # of numbers cast from booleans (`_zero_one_sides`)
+            stack.extend((x, inner, inner_labels) for x in reversed(_zero_one_sides(inner)))
         else:
-            return None
-    qk = _qk_axes(labels, roles)
+            leaves.append((n, at_labels))
     terms, structural = [], False
-    for leaf in leaves:
+    for leaf, leaf_labels in leaves:
         if uniform_value(leaf) == 1:  # `ones & mask` (jax.nn.dot_product_attention)
             continue
+        qk = _qk_axes(leaf_labels, roles)
         window = None
         if qk is not None and lengths is not None and (
                 leaf.shape[qk[0]], leaf.shape[qk[1]]) == lengths:
@@ -1322,7 +1323,7 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
             continue
         if _depends_on(leaf, scores, position):
             return None
-        space = roles.layout(leaf.shape, labels, "BHLK")
+        space = roles.layout(leaf.shape, leaf_labels, "BHLK")
         segments = _segments(leaf, space, at, fill, rounds_to_fill)
         if segments is not None:
             structural = True
@@ -1333,6 +1334,37 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
     if need_band and not structural:
         return None
     return terms or None
+
+
+def _and_within(node: Node, labels: axes.Labels) -> tuple[Node, axes.Labels]:
+    """The AND (or `min` of 0/1 numbers) `node` is, seen through layout ops and exact casts
+    (a boolean cast to a number and back, `x != 0` of it), with its labels: flax nnx's
+    `combine_masks` casts its AND to float and jnp.where casts it back, and the heads
+    broadcast comes after. `node` itself when no AND is under it."""
+    at, at_labels = node, labels
+    while True:
+        if at.op in ("convert", "copy") and at.inputs[0].dtype == "bool":
+            at = at.inputs[0]
+        elif at.op == "convert" and at.dtype == "bool" and _zero_one(at.inputs[0]):
+            at = strip(at.inputs[0], ("convert", "copy"))
+        elif at.op == "compare" and _nonzero_of_zero_one(at, at_labels) is not None:
+            at, at_labels = _nonzero_of_zero_one(at, at_labels)
+        elif at.op in ("broadcast", "reshape", "transpose"):
+            step = axes.backward(at, at_labels)
+            if step is None:
+                return node, labels
+            at_labels, at = step[0], at.inputs[0]
+        elif at.op == "and" or (at.op == "min" and _zero_one_sides(at) is not None):
+            return at, at_labels
+        else:
+            return node, labels
+
+
+def _zero_one(node: Node) -> bool:
+    """Whether a number is 0 or 1 wherever it is defined: a boolean cast to it, or a `min`
+    of such."""
+    x = strip(node, ("convert", "copy"))
+    return x.dtype == "bool" or (x.op == "min" and _zero_one_sides(x) is not None)
 
 
 def _nonzero_of_zero_one(node: Node, labels: axes.Labels

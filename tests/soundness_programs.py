@@ -71,7 +71,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 FILLS = ("-inf", "finfo.min", "-1e9", "-1e4", "-5")
 MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding",
          "causal_and_padding", "band", "band_and_padding", "segments", "segments_and_causal",
-         "keras_merged")
+         "keras_merged", "nnx_combined")
 # Masks whose arithmetic is not what it looks like, or has a traced part: built in the
 # program, each must be read as the values it computes or keep the site native.
 #   window_uint32: `(i - j) < 3` over uint32 positions, which wraps for j > i (hidden)
@@ -268,7 +268,8 @@ def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray | None
             return lengths.astype(np.int32)
         m = (j < lengths[:, None, None, None])
     m = np.broadcast_to(m, (p.b, 1, p.lq, p.lk)).copy()
-    if step.mask in ("causal_and_padding", "band_and_padding", "band", "keras_merged") or (
+    if step.mask in ("causal_and_padding", "band_and_padding", "band", "keras_merged",
+                     "nnx_combined") or (
             step.mask == "key_padding" and step.constant):
         m = m[:, :, :1, :]  # [B, 1, 1, Lk]: the program ANDs it with its own tril or band
     elif step.empty_row and step.mask != "key_padding":
@@ -305,6 +306,17 @@ def _keras_merged(padding, p: Program):
     sliding = jax.lax.dynamic_slice(jnp.triu(ones, -3) * jnp.tril(ones, 3), (0, 0),
                                     (p.lq, p.lk))
     return jnp.logical_and(merged, sliding)
+
+
+def _nnx_combined(padding, p: Program):
+    """flax nnx's `combine_masks(make_causal_mask(tokens), padding)` from key padding
+    [B, 1, 1, Lk]: a causal mask of positions broadcast per batch row, cast to float32, ANDed
+    with the padding and cast to float32 again; `dot_product_attention` casts it back to
+    bool."""
+    i = jnp.broadcast_to(jnp.arange(p.lq), (p.b, p.lq))[:, None, :, None]
+    j = jnp.broadcast_to(jnp.arange(p.lk), (p.b, p.lk))[:, None, None, :]
+    causal = (i >= j).astype(jnp.float32)
+    return jnp.logical_and(causal, padding.astype(jnp.float32)).astype(jnp.float32).astype(bool)
 
 
 def _value_op(x, op: str, wide, dt):
@@ -531,6 +543,8 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                     m = jnp.tril(jnp.ones((p.lq, p.lk), bool)) & m
                 elif step.mask == "keras_merged":
                     m = _keras_merged(m, p)
+                elif step.mask == "nnx_combined":
+                    m = _nnx_combined(m, p)
                 elif step.mask == "band":
                     m = _band(step.window, p)
                 elif step.mask == "band_and_padding":

@@ -28,12 +28,7 @@ CASES = [
                  id="padded_encoder L=1024"),
     pytest.param("examples/flax_model.py", ("--seq-len", "1024", "--layers", "1"),
                  id="flax_model L=1024"),
-    pytest.param("tests/models/nnx_causal_lm.py", ("1024",), id="nnx causal & padding L=1024",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "the two front ends describe this site differently: the jaxpr one reads "
-                     "nnx's combined mask as a dense [1, B, H, Lq, Lk] operand, the HLO one as "
-                     "[B, 1, 1, Lk] padding, so they price different sites (issue 36, item 4: "
-                     "masks kept as factors)"))),
+    pytest.param("tests/models/nnx_causal_lm.py", ("1024",), id="nnx causal & padding L=1024"),
 ]
 
 

@@ -103,7 +103,7 @@ def _title(group: Sequence[AttentionSite]) -> str:
     where = ", ".join(dict.fromkeys(x.function or "site" for x in group))
     n = len(group)
     return (f"{where} ({n} site{'s' if n != 1 else ''}): B={s.batch} H={s.num_q_heads} "
-            f"D={s.head_dim} {s.dtype} mask {s.mask}; Lq = Lk swept")
+            f"D={s.head_dim} {s.dtype} mask {s.mask_text}; Lq = Lk swept")
 
 
 def svg(rows: Sequence[tuple[Sequence[Series], str, Sequence[int]]]) -> str:

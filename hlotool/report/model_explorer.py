@@ -224,7 +224,7 @@ def documents(diffs: Sequence[FunctionDiff]) -> dict[str, dict[str, Any]]:
             s = change.site
             group_attrs[_site_label(k, s)] = {
                 "source": s.source or "?", "q k v": f"{list(s.q_shape)} {list(s.k_shape)} "
-                f"{list(s.v_shape)}", "mask": s.mask,
+                f"{list(s.v_shape)}", "mask": s.mask_text,
                 "change": d.diff.stats(change.removed, change.added, s).line()}
         for name, side in sides.items():
             gid = graph_id(d, name)

@@ -436,7 +436,7 @@ def _site_title(change: SiteChange) -> str:
     shape = f"q[{'×'.join(map(str, s.q_shape))}]" if s.q_shape else \
         f"Lq={s.q_len}, Lk={s.kv_len}"
     where = f" at {s.source}" if s.source else ""
-    return f"attention {shape} {s.dtype}, mask {s.mask}{where}"
+    return f"attention {shape} {s.dtype}, mask {s.mask_text}{where}"
 
 
 def change_line(f: FunctionDiff, change: SiteChange) -> str:

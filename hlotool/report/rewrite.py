@@ -21,7 +21,7 @@ def render_rewrite(report, term: Term | None = None) -> str:
         a = s.site
         lines.append(term.wrap(
             f"[{i}] {printable(a.source or '?')} ({s.where}) q{list(a.q_shape)} "
-            f"k{list(a.k_shape)} {a.dtype} mask={a.mask}", "  ", "      "))
+            f"k{list(a.k_shape)} {a.dtype} mask={a.mask_text}", "  ", "      "))
         if s.blocker:  # one reason keeps it native everywhere
             lines.append(term.wrap(f"{', '.join(s.choices)}: native — {s.blocker}", "      ",
                                    "        "))

@@ -31,7 +31,7 @@ def _shape(shape: Sequence[int]) -> str:
 
 def _row(i: int, s: AttentionSite) -> list[str]:
     dtype = s.dtype if s.softmax_dtype in (None, s.dtype) else f"{s.dtype}→{s.softmax_dtype}"
-    mask = ", ".join((s.mask + (_shape(s.mask_shape) if s.mask_shape else ""), *s.variants))
+    mask = ", ".join((s.mask_text + (_shape(s.mask_shape) if s.mask_shape else ""), *s.variants))
     return [
         str(i), s.function, s.source or "?", s.layout,
         f"{_shape(s.q_shape)} {_shape(s.k_shape)} {_shape(s.v_shape)}", dtype,
