@@ -1480,6 +1480,7 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
         operand, fill_node = link.sides
         sign, fill = 1.0, uniform_value(fill_node)
         keep_when = link.chain_input == 1
+        operand = _without_ones(operand)
     shape = _broadcast_shape(operand, len(node.shape))
     kind = "additive" if link.kind == "bias" else "boolean"
     structural = _structural_band(operand, node, labels, roles, link.kind, sign, keep_when)
@@ -1502,6 +1503,22 @@ def _mask_term(link: Link, labels: axes.Labels, roles: _Roles) -> MaskTerm:
                     keep_when=keep_when, key_lengths=_key_lengths(operand, keep_when, labels,
                                                                   roles, node),
                     via=link.kind)
+
+
+def _without_ones(pred: Node) -> Node:
+    """A boolean with the all-True factors of its AND dropped: jax.nn.dot_product_attention
+    ANDs its mask into `ones_like(scores)`, which would make a [B, 1, 1, Lk] key padding look
+    as if it varied along every axis. An AND whose other factor broadcasts to its shape is that
+    factor."""
+    while pred.op == "and" and len(pred.inputs) == 2:
+        for ones, other in (pred.inputs, pred.inputs[::-1]):
+            if uniform_value(ones) == 1 and len(other.shape) == len(pred.shape) and all(
+                    a in (1, b) for a, b in zip(other.shape, pred.shape)):
+                pred = other
+                break
+        else:
+            return pred
+    return pred
 
 
 def _structural_band(operand: Node, node: Node, labels: axes.Labels, roles: _Roles,
@@ -1539,6 +1556,12 @@ def _broadcast_shape(operand: Node, rank: int) -> tuple[int, ...]:
             node = node.inputs[0]
         elif node.op == "broadcast":
             axis_map = [axis_map[d] for d in node.params["dims"]]
+            node = node.inputs[0]
+        elif node.op == "transpose":  # output axis i is input axis perm[i]
+            moved = [-1] * len(axis_map)
+            for i, p in enumerate(node.params["perm"]):
+                moved[p] = axis_map[i]
+            axis_map = moved
             node = node.inputs[0]
         elif node.op == "reshape" and [n for n in node.shape if n != 1] == [
                 n for n in node.inputs[0].shape if n != 1]:

@@ -71,7 +71,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 FILLS = ("-inf", "finfo.min", "-1e9", "-1e4", "-5")
 MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding",
          "causal_and_padding", "band", "band_and_padding", "segments", "segments_and_causal",
-         "keras_merged", "nnx_combined")
+         "keras_merged", "nnx_combined", "ones_and_padding")
 # Masks whose arithmetic is not what it looks like, or has a traced part: built in the
 # program, each must be read as the values it computes or keep the site native.
 #   window_uint32: `(i - j) < 3` over uint32 positions, which wraps for j > i (hidden)
@@ -269,7 +269,7 @@ def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray | None
         m = (j < lengths[:, None, None, None])
     m = np.broadcast_to(m, (p.b, 1, p.lq, p.lk)).copy()
     if step.mask in ("causal_and_padding", "band_and_padding", "band", "keras_merged",
-                     "nnx_combined") or (
+                     "nnx_combined", "ones_and_padding") or (
             step.mask == "key_padding" and step.constant):
         m = m[:, :, :1, :]  # [B, 1, 1, Lk]: the program ANDs it with its own tril or band
     elif step.empty_row and step.mask != "key_padding":
@@ -545,6 +545,8 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                     m = _keras_merged(m, p)
                 elif step.mask == "nnx_combined":
                     m = _nnx_combined(m, p)
+                elif step.mask == "ones_and_padding":  # jax.nn.dot_product_attention's
+                    m = jnp.logical_and(jnp.ones(s.shape, bool), m)
                 elif step.mask == "band":
                     m = _band(step.window, p)
                 elif step.mask == "band_and_padding":
