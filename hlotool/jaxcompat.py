@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import os
@@ -378,6 +379,7 @@ def _assumed_cudnn() -> int:
     return ASSUMED_CUDNN
 
 
+@functools.cache  # whether jax can ask cuDNN does not change within a process
 def _cudnn_askable() -> bool:
     try:
         _cudnn_version()

@@ -54,7 +54,7 @@ def mask_sliding_window(attention_mask, cache_update_index=0):
     return ops.logical_and(attention_mask, ops.cast(sliding_mask, "bool"))
 
 
-def gemma2_layer(q, k, v, padding_mask, sliding: bool):
+def gemma2_layer(q, k, v, padding_mask, sliding: bool, softcap: bool = True):
     """Gemma 2's attention as KerasHub computes it: q [B, L, H, D], k, v [B, L, KV, D],
     padding_mask [B, L]; soft-capped logits, keras' masked float32 softmax."""
     b, length = padding_mask.shape
@@ -64,7 +64,8 @@ def gemma2_layer(q, k, v, padding_mask, sliding: bool):
         mask = mask_sliding_window(mask)
     q = ops.reshape(q * ops.cast(D ** -0.5, q.dtype), (b, length, KV, H // KV, D))
     logits = ops.einsum("btkgh,bskh->bkgts", q, k)
-    logits = ops.tanh(logits / 50.0) * 50.0
+    if softcap:  # Gemma 3 has none
+        logits = ops.tanh(logits / 50.0) * 50.0
     probs = SOFTMAX(logits, mask=mask[:, None, None, :, :])
     out = ops.einsum("bkgts,bskh->btkgh", ops.cast(probs, v.dtype), v)
     return ops.reshape(out, (b, length, H, D))
@@ -117,6 +118,31 @@ def test_a_keras_hub_window_and_padding_exports_to_splash_without_a_dense_mask()
              if "stablehlo.custom_call @tpu_custom_call" in line]
     assert len(calls) == 1 and "splash_mha_fwd" in text
     assert f"{length}x{length}x" not in calls[0].rsplit(" : (", 1)[1]
+
+
+CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+
+
+def test_a_window_and_padding_lowers_to_cudnn_for_cuda():
+    """Without the soft-cap cuDNN has no term for (Gemma 3's layer), a window & key padding
+    site goes to cuDNN on CUDA as a window and key lengths: its forward and backward calls are
+    in the CUDA export of the layer and of its gradient."""
+    real = _args(1024, jnp.bfloat16)
+
+    def layer(*a):
+        return gemma2_layer(*a, True, softcap=False)
+
+    (site,) = hlotool.explain(layer, *real).sites
+    assert site.site.mask_text == "causal & key padding" and site.site.window == (WINDOW - 1, 0)
+    assert site.kernels["cuda"] == "cudnn", site.reason
+    fast = hlotool.flash_jit(layer)
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fast(*a).astype(jnp.float32))), 1))
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in real]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in CUDNN]
+    counts = [[text.count(f"@{c}(") for c in CUDNN] for text in (
+        jax.export.export(f, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+        for f in (fast, grad))]
+    assert counts == [[1, 0], [1, 1]]
 
 
 def test_an_int32_padding_mask_stays_a_dense_remainder_and_says_so():
