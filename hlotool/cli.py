@@ -792,7 +792,7 @@ def _kernel_if_it_paid(report: Any, platform: str) -> tuple[str, str] | None:
         choice = s.choices.get(platform)
         if s.blocker or choice is None or choice.priced is None:
             continue  # kept native for another reason than cost (a blocker): no kernel helps
-        reasons.append(choice.reason.removeprefix("keep native "))
+        reasons.append(f"({choice.verdict.why})" if choice.verdict else choice.reason)
         name = name or choice.priced
     if name is None:
         return None

@@ -46,7 +46,7 @@ class Verdict:
     """
 
     pays: bool
-    reason: str
+    why: str  # the reason without its decision: "short sequence: …"
     target: str
     kernel_name: str | None
     native: Figures
@@ -56,10 +56,20 @@ class Verdict:
     native_fused: bool | None
     refusals: tuple[Refusal, ...] = ()
 
+    @property
+    def decision(self) -> str:
+        return "kernel pays" if self.pays else "keep native"
+
+    @property
+    def reason(self) -> str:
+        """The verdict as one line: "keep native (short sequence: …)"."""
+        return f"{self.decision} ({self.why})"
+
     def to_json(self) -> dict[str, Any]:
         return {
             "pays": self.pays,
             "reason": self.reason,
+            "why": self.why,
             "target": self.target,
             "kernel_name": self.kernel_name,
             "native": self.native.to_json(),
@@ -95,25 +105,25 @@ def verdict(
     native = analytic(site, hw, "native", backward=backward)
     if kernel is None:
         why = "; ".join(map(str, refusals)) or f"no kernel runs on {hw.platform}"
-        return Verdict(False, f"keep native (no flash kernel takes it: {why})", hw.name, None,
+        return Verdict(False, f"no flash kernel takes it: {why}", hw.name, None,
                        native, None, None, None, native_fused, refusals)
     flash = analytic(site, hw, "kernel", backward=backward, kernel=kernel)
 
-    def conclude(pays: bool, reason: str, native: Figures = native,
+    def conclude(pays: bool, why: str, native: Figures = native,
                  fused: bool | None = native_fused) -> Verdict:
-        return Verdict(pays, reason, hw.name, kernel.name, native, flash,
+        return Verdict(pays, why, hw.name, kernel.name, native, flash,
                        native.seconds / flash.seconds, native.hbm_bytes / flash.hbm_bytes,
                        fused, refusals)
 
     if native.temp_bytes > hw.hbm_bytes:
-        return conclude(True, f"kernel pays (native needs {format_bytes(native.temp_bytes)} of "
-                              f"temporaries, more than the {format_bytes(hw.hbm_bytes)} HBM)")
+        return conclude(True, f"native needs {format_bytes(native.temp_bytes)} of "
+                              f"temporaries, more than the {format_bytes(hw.hbm_bytes)} HBM")
     if site.q_len * site.kv_len < SHORT_SCORES:
         speedup = native.seconds / flash.seconds
-        return conclude(False, f"keep native (short sequence: Lq={site.q_len}, "
+        return conclude(False, f"short sequence: Lq={site.q_len}, "
                                f"Lk={site.kv_len}; a {site.q_len}x{site.kv_len} score tile per "
                                "head is kernel-launch and grid overhead, which the roofline "
-                               f"×{speedup:.1f} ignores)")
+                               f"×{speedup:.1f} ignores")
     unchecked = ""
     if native_fused is None and check_fusion:
         native_fused, why = _fuses(site, hw)
@@ -126,12 +136,12 @@ def verdict(
     own = f"XLA:{hw.platform.upper()}'s own online-softmax fusion" if native_fused else ""
     if speedup >= MIN_SPEEDUP:
         than = f" than {own}" if own else ""
-        return conclude(True, f"kernel pays (×{hbm_ratio:.1f} less HBM traffic, roofline "
-                              f"×{speedup:.1f} faster{than}{unchecked})", native, native_fused)
+        return conclude(True, f"×{hbm_ratio:.1f} less HBM traffic, roofline "
+                              f"×{speedup:.1f} faster{than}{unchecked}", native, native_fused)
     if own:
-        return conclude(False, f"keep native ({own} is as good: roofline ×{speedup:.2f})",
+        return conclude(False, f"{own} is as good: roofline ×{speedup:.2f}",
                         native, native_fused)
-    return conclude(False, f"keep native ({_why_not(site, hw, speedup)}{unchecked})", native,
+    return conclude(False, f"{_why_not(site, hw, speedup)}{unchecked}", native,
                     native_fused)
 
 

@@ -189,7 +189,8 @@ def table(entries: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], list[str]
             v = t["verdict"]
             n, k = v["native"], v["kernel"] or {}
             x = t.get("xla", {})
-            decision, why = _split_verdict(v["reason"], v["pays"])
+            decision = "kernel pays" if v["pays"] else "keep native"
+            why = v["why"]
             why = "; ".join(filter(None, (t.get("does_not_fit"), why)))
             ref = f" [{notes.setdefault(why, len(notes) + 1)}]" if why else ""
             rows.append([
@@ -206,14 +207,6 @@ def table(entries: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], list[str]
             cells = [_measured(m.get(side, {})) for side in ("native", "kernel")]
             rows.append(["", "measured (this host)", cells[0], cells[1], "", "", "", ""])
     return rows, list(notes)
-
-
-def _split_verdict(reason: str, pays: bool) -> tuple[str, str]:
-    """"keep native (short sequence: …)" → ("keep native", "short sequence: …")."""
-    decision = "kernel pays" if pays else "keep native"
-    if reason.startswith(decision + " (") and reason.endswith(")"):
-        return decision, reason[len(decision) + 2:-1]
-    return decision, reason.removeprefix(decision).strip()
 
 
 HEADERS = ["site", "target", "native t", "kernel t", "native HBM", "kernel HBM",
