@@ -1292,7 +1292,7 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
             n = n.inputs[0]  # a cast from a number is the factor itself: x != 0
         found = _nonzero_of_zero_one(n, at_labels) if n.op == "compare" else None
         if found is not None and found[0].shape == n.shape:
-            n = found[0]
+            n, at_labels = found  # its own labels: a transpose keeps a square mask's shape
         inner, inner_labels = _and_within(n, at_labels)
         if inner.op == "and":
             stack.extend((x, inner, inner_labels) for x in reversed(inner.inputs))

@@ -71,7 +71,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 FILLS = ("-inf", "finfo.min", "-1e9", "-1e4", "-5")
 MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding",
          "causal_and_padding", "band", "band_and_padding", "segments", "segments_and_causal",
-         "keras_merged", "nnx_combined", "ones_and_padding")
+         "keras_merged", "nnx_combined", "ones_and_padding", "transposed_and_causal")
 # Masks whose arithmetic is not what it looks like, or has a traced part: built in the
 # program, each must be read as the values it computes or keep the site native.
 #   window_uint32: `(i - j) < 3` over uint32 positions, which wraps for j > i (hidden)
@@ -256,7 +256,7 @@ def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray | None
         m = j <= i + (p.lk - p.lq)
     elif step.mask == "window":
         m = (j <= i + (p.lk - p.lq)) & (j > i + (p.lk - p.lq) - 3)
-    elif step.mask == "boolean":
+    elif step.mask in ("boolean", "transposed_and_causal"):
         m = rng.random((p.b, 1, p.lq, p.lk)) < 0.7
     else:  # key padding (alone, or ANDed with tril in the program): lengths in [1, Lk], or 0
         lengths = rng.integers(1, p.lk + 1, size=p.b)
@@ -547,6 +547,9 @@ def build(p: Program, compute: str | None = None) -> tuple[Any, tuple, tuple[int
                     m = _nnx_combined(m, p)
                 elif step.mask == "ones_and_padding":  # jax.nn.dot_product_attention's
                     m = jnp.logical_and(jnp.ones(s.shape, bool), m)
+                elif step.mask == "transposed_and_causal":  # `x > 0` of a transposed cast
+                    m = (jnp.swapaxes(jnp.swapaxes(m, -1, -2).astype(jnp.float32), -1, -2) > 0
+                         ) & jnp.tril(jnp.ones((p.lq, p.lk), bool))
                 elif step.mask == "band":
                     m = _band(step.window, p)
                 elif step.mask == "band_and_padding":

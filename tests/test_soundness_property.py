@@ -280,6 +280,22 @@ FOUND_GROWN = [
         kernel="chunked"), "rewritten",
         id="a bias computed from k has no gradient of its own: the check gave its "
         "tolerance to the next bias (7e-7 against 5.5e-6, not 5.5)"),
+    pytest.param(Program(
+        dtype="float32", layout="BLHD", b=2, hq=2, hkv=2, lq=33, lk=33, d=16,
+        steps=(Step(kind="mask", mask="transposed_and_causal", fill="-1e9"),),
+        kernel="chunked"), "rewritten",
+        id="`x > 0` of a transposed cast, ANDed with tril: a square mask's factor read with "
+        "the compare's axes, queries and keys swapped (out 1.14 off)"),
+    pytest.param(Program(
+        dtype="float32", layout="BHLD", b=2, hq=2, hkv=1, lq=20, lk=37, d=8,
+        steps=(Step(kind="mask", mask="nnx_combined", fill="finfo.min"),),
+        kernel="chunked"), "rewritten",
+        id="flax nnx's causal & key padding, its AND cast to float32 and back"),
+    pytest.param(Program(
+        dtype="float32", layout="BLHD", b=2, hq=4, hkv=2, lq=16, lk=130, d=8,
+        steps=(Step(kind="mask", mask="ones_and_padding", fill="finfo.min", empty_row=True),),
+        kernel="chunked"), "rewritten",
+        id="jax.nn.dot_product_attention's key padding ANDed into ones, a row with no key"),
 ]
 
 
