@@ -850,7 +850,7 @@ def _attention_site(m: dict, function: str, operands: _Operands, scale: float | 
     return AttentionSite(
         batch=b, q_len=lq, kv_len=lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
         v_head_dim=dv, dtype=_compute_dtype(*scores.inputs, *out.inputs), scale=scale,
-        mask=kind, causal=kind == "causal" or (chain.refusal is None and chain.causal),
+        mask=kind, causal=chain.refusal is None and chain.causal,  # kind "causal" sets it too
         mask_shape=reported.shape if reported is not None and kind in ("additive", "boolean")
         else None,
         mask_fill=chain.fill if chain.refusal is None and chain.masks else None,
@@ -1279,14 +1279,10 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
     if not keep:
         return None
 
-    def fits(n: Node, into: Node) -> bool:  # jaxpr's `and` broadcasts unit axes of equal rank
-        return len(n.shape) == len(into.shape) and all(
-            a in (1, b) for a, b in zip(n.shape, into.shape))
-
     leaves, stack = [], [(pred, pred, labels)]
     while stack:
         n, into, at_labels = stack.pop()
-        if not fits(n, into):
+        if not _broadcasts_into(n, into):  # jaxpr's `and` broadcasts unit axes of equal rank
             return None
         while n.op in ("convert", "copy") and n.inputs[0].dtype == "bool":
             n = n.inputs[0]  # a cast from a number is the factor itself: x != 0
@@ -1345,10 +1341,11 @@ def _and_within(node: Node, labels: axes.Labels) -> tuple[Node, axes.Labels]:
     while True:
         if at.op in ("convert", "copy") and at.inputs[0].dtype == "bool":
             at = at.inputs[0]
-        elif at.op == "convert" and at.dtype == "bool" and _zero_one(at.inputs[0]):
-            at = strip(at.inputs[0], ("convert", "copy"))
-        elif at.op == "compare" and _nonzero_of_zero_one(at, at_labels) is not None:
-            at, at_labels = _nonzero_of_zero_one(at, at_labels)
+        elif at.op == "convert" and at.dtype == "bool" and (
+                source := _zero_one_source(at.inputs[0])) is not None:
+            at = source
+        elif at.op == "compare" and (found := _nonzero_of_zero_one(at, at_labels)) is not None:
+            at, at_labels = found
         elif at.op in ("broadcast", "reshape", "transpose"):
             step = axes.backward(at, at_labels)
             if step is None:
@@ -1360,11 +1357,17 @@ def _and_within(node: Node, labels: axes.Labels) -> tuple[Node, axes.Labels]:
             return node, labels
 
 
-def _zero_one(node: Node) -> bool:
-    """Whether a number is 0 or 1 wherever it is defined: a boolean cast to it, or a `min`
-    of such."""
-    x = strip(node, ("convert", "copy"))
-    return x.dtype == "bool" or (x.op == "min" and _zero_one_sides(x) is not None)
+def _zero_one_source(x: Node) -> Node | None:
+    """What makes `x` 0 or 1 wherever it is defined: the boolean it was cast from, or a `min`
+    of such (`_zero_one_sides`); None for any other value."""
+    x = strip(x, ("convert", "copy")) if x.dtype != "bool" else x
+    return x if x.dtype == "bool" or (x.op == "min" and _zero_one_sides(x) is not None) else None
+
+
+def _broadcasts_into(n: Node, into: Node) -> bool:
+    """Whether `n` has `into`'s rank and each axis its size or 1."""
+    return len(n.shape) == len(into.shape) and all(
+        a in (1, b) for a, b in zip(n.shape, into.shape))
 
 
 def _nonzero_of_zero_one(node: Node, labels: axes.Labels
@@ -1377,9 +1380,9 @@ def _nonzero_of_zero_one(node: Node, labels: axes.Labels
         return None
     x = node.inputs[0]
     while True:
-        x = strip(x, ("convert", "copy")) if x.dtype != "bool" else x
-        if x.dtype == "bool" or (x.op == "min" and _zero_one_sides(x) is not None):
-            return x, labels
+        if (source := _zero_one_source(x)) is not None:
+            return source, labels
+        x = strip(x, ("convert", "copy"))
         if x.op not in ("broadcast", "reshape", "transpose"):
             return None
         step = axes.backward(x, labels)
@@ -1512,8 +1515,7 @@ def _without_ones(pred: Node) -> Node:
     factor."""
     while pred.op == "and" and len(pred.inputs) == 2:
         for ones, other in (pred.inputs, pred.inputs[::-1]):
-            if uniform_value(ones) == 1 and len(other.shape) == len(pred.shape) and all(
-                    a in (1, b) for a, b in zip(other.shape, pred.shape)):
+            if uniform_value(ones) == 1 and _broadcasts_into(other, pred):
                 pred = other
                 break
         else:
@@ -1528,8 +1530,7 @@ def _structural_band(operand: Node, node: Node, labels: axes.Labels, roles: _Rol
     additive one, the value it adds outside the band (0.0 for a select, whose fill is known
     already). None when the structure shows no band."""
     qk = _qk_axes(labels, roles)
-    if qk is None or len(operand.shape) != len(node.shape) or any(
-            a not in (1, b) for a, b in zip(operand.shape, node.shape)):
+    if qk is None or not _broadcasts_into(operand, node):
         return None
     lq, lk = node.shape[qk[0]], node.shape[qk[1]]
     if (operand.shape[qk[0]], operand.shape[qk[1]]) != (lq, lk):

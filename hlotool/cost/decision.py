@@ -68,6 +68,7 @@ class Verdict:
     def to_json(self) -> dict[str, Any]:
         return {
             "pays": self.pays,
+            "decision": self.decision,
             "reason": self.reason,
             "why": self.why,
             "target": self.target,

@@ -189,9 +189,8 @@ def table(entries: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], list[str]
             v = t["verdict"]
             n, k = v["native"], v["kernel"] or {}
             x = t.get("xla", {})
-            decision = "kernel pays" if v["pays"] else "keep native"
-            why = v["why"]
-            why = "; ".join(filter(None, (t.get("does_not_fit"), why)))
+            decision = v["decision"]
+            why = "; ".join(filter(None, (t.get("does_not_fit"), v["why"])))
             ref = f" [{notes.setdefault(why, len(notes) + 1)}]" if why else ""
             rows.append([
                 label, name,
