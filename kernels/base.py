@@ -155,6 +155,7 @@ class KernelCost:
     transcendentals: int
     hbm_bytes: int
     onchip_bytes: int
+    blocks: ScoreBlocks | None = None  # the score tiles of one head a tiled kernel computes
 
     def __add__(self, other: KernelCost) -> KernelCost:
         return KernelCost(
@@ -162,7 +163,26 @@ class KernelCost:
             self.transcendentals + other.transcendentals,
             self.hbm_bytes + other.hbm_bytes,
             max(self.onchip_bytes, other.onchip_bytes),
+            self.blocks or other.blocks,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreBlocks:
+    """The [Lq, Lk] score tiles (of block_q × block_k) of one head a block-skipping kernel
+    computes: `computed` of `total`, the rest lying wholly outside the site's band."""
+
+    computed: int
+    total: int
+    block_q: int
+    block_k: int
+
+    @property
+    def skipped(self) -> int:
+        return self.total - self.computed
+
+    def to_json(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "skipped": self.skipped}
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -556,11 +576,17 @@ def query_block_span(j, nq: int, bq: int, bk: int, band: Band | None, *, maximum
     return first, maximum(first, end)
 
 
-def visible_fraction(lq: int, lk: int, bq: int, bk: int, band: Band | None) -> float:
-    """Fraction of the [Lq, Lk] score tiles (of bq × bk) a block-skipping kernel visits."""
+def score_blocks(lq: int, lk: int, bq: int, bk: int, band: Band | None) -> ScoreBlocks:
+    """The [Lq, Lk] score tiles (of bq × bk) a block-skipping kernel visits under `band`."""
     nq, nk = cdiv(lq, bq), cdiv(lk, bk)
     spans = (key_block_span(i, nk, bq, bk, band) for i in range(nq))
-    return sum(end - first for first, end in spans) / (nq * nk)
+    return ScoreBlocks(sum(end - first for first, end in spans), nq * nk, bq, bk)
+
+
+def visible_fraction(lq: int, lk: int, bq: int, bk: int, band: Band | None) -> float:
+    """Fraction of the [Lq, Lk] score tiles (of bq × bk) a block-skipping kernel visits."""
+    blocks = score_blocks(lq, lk, bq, bk, band)
+    return blocks.computed / blocks.total
 
 
 def naive_cost(site: AttentionSite, *, backward: bool = False) -> KernelCost:
@@ -599,7 +625,8 @@ def flash_cost(
     """
     b, hq, hkv, lq, lk = site.batch, site.num_q_heads, site.num_kv_heads, site.q_len, site.kv_len
     d, dv, item = site.head_dim, site.v_head_dim, site.itemsize
-    frac = visible_fraction(lq, lk, block_q, block_k, site.band)
+    blocks = score_blocks(lq, lk, block_q, block_k, site.band)
+    frac = blocks.computed / blocks.total
     nq, nk = cdiv(lq, block_q), cdiv(lk, block_k)
     scores = int(b * hq * lq * lk * frac)
     q_bytes, o_bytes = b * lq * hq * d * item, b * lq * hq * dv * item
@@ -612,6 +639,7 @@ def flash_cost(
         scores,
         q_bytes + o_bytes + math.ceil(nq * frac) * kv_bytes + repeat_bytes,
         onchip,
+        blocks,
     )
     if backward:
         lse_bytes = 4 * b * hq * lq

@@ -219,3 +219,59 @@ def test_native_too_big_for_hbm_is_a_finding_and_other_targets_go_on(tmp_path):
     assert table.exit_code == 0, table.output
     assert sum(DOES_NOT_FIT in line for line in table.stdout.splitlines()) == 1
     assert any(line.lstrip().startswith("h100 ") for line in table.stdout.splitlines())
+
+
+CAUSAL = MODEL.replace(
+    "    return jnp.einsum(",
+    "    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)\n"
+    "    return jnp.einsum(")
+assert CAUSAL != MODEL
+
+
+def test_a_band_s_skipped_score_tiles_are_counted_in_every_report(tmp_path):
+    """A causal site's kernel computes only the tiles at or below the diagonal: the JSON
+    counts them per head with the tile shape, the table's kernel time carries the share, and
+    explain names the skipped tiles per platform. A site without a band skips none."""
+    import jax.numpy as jnp
+
+    import hlotool
+
+    def expected(blocks, length=1024):
+        bq, bk = blocks["block_q"], blocks["block_k"]
+        nq, nk = -(-length // bq), -(-length // bk)
+        # query block i sees key blocks up to the one holding its last query
+        computed = sum(min(nk, -(-(i + 1) * bq // bk)) for i in range(nq))
+        return computed, nq * nk
+
+    docs = {}
+    for name, text in (("plain", MODEL), ("causal", CAUSAL)):
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        result = CliRunner().invoke(cli, ["cost", str(path), "--no-xla", "--target", "cpu",
+                                            "--target", "tpu-v5e", "--json"])
+        assert result.exit_code == 0, result.output
+        docs[name] = json.loads(result.stdout)["sites"][0]["targets"]
+        table = CliRunner().invoke(cli, ["cost", str(path), "--no-xla", "--target", "cpu"])
+        assert table.exit_code == 0, table.output
+        docs[name + " table"] = table.stdout
+    for target in ("cpu", "tpu-v5e"):
+        plain = docs["plain"][target]["verdict"]["kernel"]["score_blocks"]
+        assert plain["skipped"] == 0 and plain["computed"] == plain["total"]
+        causal = docs["causal"][target]["verdict"]["kernel"]["score_blocks"]
+        assert (causal["computed"], causal["total"]) == expected(causal)
+        assert causal["skipped"] == causal["total"] - causal["computed"] > 0
+    cpu = docs["causal"]["cpu"]["verdict"]["kernel"]["score_blocks"]
+    share = f"{100 * cpu['computed'] / cpu['total']:.0f}%"
+    row = next(line for line in docs["causal table"].splitlines() if " cpu " in line)
+    assert share in row, row
+    assert "N%: the share of score tiles" in docs["causal table"]
+    plain_row = next(line for line in docs["plain table"].splitlines() if " cpu " in line)
+    assert "N%" not in docs["plain table"] and "%" not in plain_row, plain_row
+
+    namespace: dict = {}
+    exec(CAUSAL.replace("attention(x, x, x)", ""), namespace)
+    x = jnp.ones((1, 1024, 2, 64))
+    lines = str(hlotool.explain(namespace["attention"], x, x, x)).splitlines()
+    cpu_line = next(line for line in lines if line.strip().startswith("cpu:"))
+    assert (f"the band skips {cpu['skipped']} of {cpu['total']} score tiles "
+            f"({cpu['block_q']}×{cpu['block_k']}) per head") in cpu_line

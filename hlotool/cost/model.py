@@ -24,7 +24,7 @@ import numpy as np
 from hlotool.errors import HlotoolError
 from hlotool.hardware import Hardware, get_hardware
 from hlotool.kernels import AttentionKernel, KernelCost, KernelError, first_taking
-from hlotool.kernels.base import naive_cost
+from hlotool.kernels.base import ScoreBlocks, naive_cost
 from hlotool.site import AttentionSite
 
 # "fused": the naive formula as XLA:TPU runs it where its own attention pass takes the site
@@ -49,6 +49,7 @@ class Figures:
     onchip_bytes: int
     seconds: float
     bound: str
+    blocks: ScoreBlocks | None = None  # a tiled kernel's score tiles per head, computed of all
 
     @property
     def intensity(self) -> float:
@@ -56,7 +57,10 @@ class Figures:
         return self.flops / self.hbm_bytes if self.hbm_bytes else float("inf")
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "intensity": self.intensity}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        blocks = fields.pop("blocks")
+        return {**fields, "intensity": self.intensity,
+                "score_blocks": None if blocks is None else blocks.to_json()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +178,7 @@ def analytic(
         c, m = mm / rate, cost.hbm_bytes / hw.hbm_bandwidth
         return Figures(cost.flops, cost.transcendentals, cost.hbm_bytes,
                        kernel_temp_bytes(site, backward=backward), cost.onchip_bytes,
-                       max(c, m), "compute" if c >= m else "memory")
+                       max(c, m), "compute" if c >= m else "memory", cost.blocks)
     raise HlotoolError(f"side must be 'native' or 'kernel', got {side!r}")
 
 

@@ -76,8 +76,10 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
     # No legend for a column the table left out.
     legend = [text for columns, text in (
         (HEADERS[2:4], "t: roofline time; c/m: compute- or memory-bound"),
+        (HEADERS[3:4], "N%: the share of score tiles the kernel computes where the mask's "
+                       "band lets it skip the rest") if any(map(_skips, entries)) else ((), ""),
         (HEADERS[6:7], "* XLA's number is known to be wrong there (--json says why)"))
-        if not set(columns) <= set(fitted.left_out)]
+        if columns and not set(columns) <= set(fitted.left_out)]
     header = (f"{len(sites)} attention site{'s' if len(sites) != 1 else ''} in {path}, "
               f"priced for {priced}. {'; '.join(legend)}")
     return "\n".join([term.wrap(header), fitted.text, *(
@@ -195,7 +197,7 @@ def table(entries: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], list[str]
             rows.append([
                 label, name,
                 format_seconds(n["seconds"]) + f" {n['bound'][0]}",
-                format_seconds(k["seconds"]) + f" {k['bound'][0]}" if k else "-",
+                format_seconds(k["seconds"]) + f" {k['bound'][0]}{_skipping(k)}" if k else "-",
                 format_bytes(n["hbm_bytes"]), format_bytes(k["hbm_bytes"]) if k else "-",
                 f"{_flops(x.get('native'))} / {_flops(x.get('kernel'))}",
                 Text(decision + ref, style="green" if v["pays"] else ""),
@@ -210,6 +212,18 @@ def table(entries: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], list[str]
 
 HEADERS = ["site", "target", "native t", "kernel t", "native HBM", "kernel HBM",
            "XLA flops native / kernel", "verdict"]
+
+
+def _skipping(kernel: dict[str, Any]) -> str:
+    """" 38%" where the kernel's band lets it compute only that share of the score tiles."""
+    blocks = kernel.get("score_blocks")
+    if not blocks or not blocks["skipped"]:
+        return ""
+    return f" {100 * blocks['computed'] / blocks['total']:.0f}%"
+
+
+def _skips(entry: dict[str, Any]) -> bool:
+    return any(_skipping(t["verdict"]["kernel"] or {}) for t in entry["targets"].values())
 
 
 def _measured(m: dict[str, Any]) -> str:
