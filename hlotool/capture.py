@@ -94,10 +94,24 @@ class CapturedFunction:
     # Per flat argument, whether the original jit donated it (donate_argnums): regenerated
     # stages donate the same, so XLA's aliasing and memory figures match the real program.
     donated: tuple[bool, ...]
+    # (in, out) shardings of a program split over several of this process's devices (a
+    # Sharding or None per flat argument and result), or None: the host's stages are then
+    # lowered with them, so XLA partitions the program as the script's run did.
+    shardings: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
     _lowered: dict[str, jax.stages.Lowered] = dataclasses.field(default_factory=dict, repr=False)
+    _whole: set[str] = dataclasses.field(default_factory=set, repr=False)  # split failed
     _compiled: dict[str, jax.stages.Compiled] = dataclasses.field(
         default_factory=dict, repr=False
     )
+
+    @property
+    def devices(self) -> int:
+        """The devices the script's run split this program over (1: not split); the host's
+        stages are that program, partitioned, and its figures are per device."""
+        if self.shardings is None or "cpu" in self._whole:
+            return 1
+        return max(len(s.device_set) for s in (*self.shardings[0], *self.shardings[1])
+                   if s is not None)
 
     @property
     def file_stem(self) -> str:
@@ -128,29 +142,41 @@ class CapturedFunction:
         return self.compiled(target).as_text()
 
     def lowered(self, target: str | Target = "cpu") -> jax.stages.Lowered:
-        """The function re-lowered for `target` (deviceless for TPU targets)."""
+        """The function re-lowered for `target` (deviceless for TPU targets); for the host,
+        split over the devices the script's run split it over (`shardings`), or whole
+        where that split no longer lowers."""
         t = get_target(target)
         if t.name not in self._lowered:
             sharding = t.sharding()
-            args = [
-                jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=sharding)
-                for a in self.in_avals
-            ]
-            donate = tuple(i for i, d in enumerate(self.donated) if d)
-            jitted = (
-                jax.jit(self._as_fun(), donate_argnums=donate)
-                if sharding is None
-                else jax.jit(self._as_fun(), in_shardings=sharding, out_shardings=sharding,
-                             donate_argnums=donate)
-            )
-            try:
-                with t.lowering():
-                    self._lowered[t.name] = jitted.trace(*args).lower()
-            except Exception as e:
-                raise HlotoolError(
-                    f"cannot lower {self.name} for {t.name}: {first_line(e)}"
-                ) from e
+            attempts = [self.shardings] if sharding is None and self.shardings else []
+            attempts.append(None)
+            for split in attempts:
+                try:
+                    with t.lowering():
+                        self._lowered[t.name] = self._jitted(sharding, split).trace(
+                            *self._arguments(sharding, split)).lower()
+                    break
+                except Exception as e:
+                    self._whole.add(t.name)
+                    if split is None:
+                        raise HlotoolError(
+                            f"cannot lower {self.name} for {t.name}: {first_line(e)}"
+                        ) from e
         return self._lowered[t.name]
+
+    def _arguments(self, sharding: Any, split: Any) -> list[jax.ShapeDtypeStruct]:
+        ins = split[0] if split else (sharding,) * len(self.in_avals)
+        return [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=s)
+                for a, s in zip(self.in_avals, ins)]
+
+    def _jitted(self, sharding: Any, split: Any) -> Any:
+        donate = tuple(i for i, d in enumerate(self.donated) if d)
+        if split and all(s is not None for s in split[1]):  # a list: the flat function's
+            return jax.jit(self._as_fun(), out_shardings=list(split[1]), donate_argnums=donate)
+        if sharding is None:
+            return jax.jit(self._as_fun(), donate_argnums=donate)
+        return jax.jit(self._as_fun(), in_shardings=sharding, out_shardings=sharding,
+                       donate_argnums=donate)
 
     def compiled(self, target: str | Target = "cpu") -> jax.stages.Compiled:
         """The function compiled by XLA for `target`. Raises `DoesNotFit` when one value
@@ -206,13 +232,18 @@ class CapturedFunction:
 
         Prefer this to `dataclasses.replace`, which would share the per-target caches.
         """
-        if list(closed_jaxpr.in_avals) != list(self.in_avals):
+        # Shapes and dtypes: an aval's sharding names the mesh it was traced under, which a
+        # rewrite traced from ShapeDtypeStructs has no part in.
+        def signature(avals: Sequence[Any]) -> list[tuple[Any, ...]]:
+            return [(a.shape, a.dtype, a.weak_type) for a in avals]
+
+        if signature(closed_jaxpr.in_avals) != signature(self.in_avals):
             raise HlotoolError(
                 f"{self.name}: new program takes {_avals(closed_jaxpr.in_avals)}, "
                 f"expected {_avals(self.in_avals)}"
             )
         return dataclasses.replace(
-            self, closed_jaxpr=closed_jaxpr, _lowered={}, _compiled={}
+            self, closed_jaxpr=closed_jaxpr, _lowered={}, _compiled={}, _whole=set()
         )
 
     def _as_fun(self) -> Callable[..., Any]:
@@ -232,6 +263,7 @@ class _Record:
     closed_jaxpr: ClosedJaxpr
     lower_seconds: float
     donated: tuple[bool, ...]
+    shardings: tuple[tuple[Any, ...], tuple[Any, ...]] | None
     compile_seconds: float | None = None
 
 
@@ -248,7 +280,9 @@ def _compile_hook(on_compile: Callable[[str], None] | None = None
         start = time.perf_counter()
         computation = lower(closed_jaxpr, api_name, fun_name, *args, **kwargs)
         donated = jaxcompat.lowering_donated(closed_jaxpr, api_name, fun_name, *args, **kwargs)
-        record = _Record(fun_name, closed_jaxpr, time.perf_counter() - start, donated)
+        record = _Record(fun_name, closed_jaxpr, time.perf_counter() - start, donated,
+                         jaxcompat.lowering_shardings(closed_jaxpr, api_name, fun_name,
+                                                      *args, **kwargs))
         records.append(record)
         compile_fn = computation.compile
 
@@ -285,7 +319,7 @@ def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
         source = getattr(info, "func_src_info", None)
         if _not_users(r.closed_jaxpr):
             continue
-        key = (r.name, str(r.closed_jaxpr), r.donated)
+        key = (r.name, str(r.closed_jaxpr), r.donated, repr(r.shardings))
         if key in seen:
             continue
         seen.add(key)
@@ -301,6 +335,7 @@ def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
                 lower_seconds=r.lower_seconds,
                 compile_seconds=r.compile_seconds,
                 donated=r.donated,
+                shardings=r.shardings,
             )
         )
     return out

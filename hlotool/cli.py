@@ -570,16 +570,23 @@ def _native_table(fates: Sequence[dict[str, NativeFate | dict[str, Any]]],
     from rich.text import Text
 
     rows = []
+    split = any(not isinstance(f, dict) and f.collectives
+                for by_target in fates for f in by_target.values())
     for i, by_target in enumerate(fates, 1):
         for target, fate in by_target.items():
             if isinstance(fate, dict):
-                rows.append([str(i), target, Text(fate["error"], style="bold yellow"), "-"])
+                rows.append([str(i), target, Text(fate["error"], style="bold yellow"), "-"]
+                            + ["-"] * split)
                 continue
-            rows.append([str(i), target, fate.summary(), str(fate.score_buffers) + (
+            where = target + (f" ({fate.partitions} devices)" if fate.partitions > 1 else "")
+            rows.append([str(i), where, fate.summary(), str(fate.score_buffers) + (
                 f" ({fate.score_buffers_on_chip} on chip)" if fate.score_buffers_on_chip
-                else "")])
-    return format_table(["#", "target", "fusions and custom calls holding the site",
-                         "L×L buffers"], rows, right_aligned={0, 3}, wrap={2}, term=term)
+                else "")] + [fate.collectives_summary() or (
+                    "none" if fate.partitions > 1 else "compiled for one device")] * split)
+    # Only a program split over devices has collectives: the column is there for one.
+    headers = ["#", "target", "fusions and custom calls holding the site", "L×L buffers"]
+    return format_table(headers + ["collectives"] * split, rows, right_aligned={0, 3},
+                        wrap={2, 4}, term=term)
 
 
 @cli.command(
@@ -707,7 +714,8 @@ def diff(script: str, script_args: tuple[str, ...], stage: str, target: str, ker
             "memory": [m.to_json() for m in memory], "skipped": notes}, indent=2))
     else:
         if memory:
-            _echo(f"\nMemory, native → rewritten (XLA memory_analysis, {compile_target.name})\n"
+            _echo(f"\nMemory, native → rewritten (XLA memory_analysis, {compile_target.name}"
+                  f"{_per_device(functions, [compile_target])})\n"
                   + render_memory(memory, term), term, err=files_made)
         for note in notes:
             _echo(term.wrap(f"skipped {printable(note)}", "", "  "), term, err=files_made)
@@ -887,9 +895,21 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
         out = [render_rewrite(r, term) for r in reports]
         if memory:
             out += [f"\nMemory, native → rewritten (XLA memory_analysis; "
-                    f"{', '.join(t.name for t in compile_targets)})", render_memory(memory, term)]
+                    f"{', '.join(t.name for t in compile_targets)}"
+                    f"{_per_device(functions, compile_targets)})", render_memory(memory, term)]
         _echo("\n".join(out), term)
     _memory_gate(memory, fail_on_memory_growth)
+
+
+def _per_device(functions: Sequence[CapturedFunction], targets: Sequence[Target]) -> str:
+    """"; cpu: per device, attention split over 8" where the script ran a program split over
+    several devices: the host compiles it partitioned as the run did (TPU targets, one chip,
+    whole)."""
+    split = [f for f in functions if f.devices > 1]
+    if not split or not any(t.topology is None for t in targets):
+        return ""
+    return "; cpu: per device, " + ", ".join(
+        f"{printable(f.name)} split over {f.devices}" for f in split)
 
 
 def _memory_if_it_paid(f: CapturedFunction, report: Any, targets: Sequence[Target]

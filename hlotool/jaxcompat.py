@@ -185,6 +185,22 @@ def lowering_donated(*args: Any, **kwargs: Any) -> tuple[bool, ...]:
     return tuple(bool(d) for d in donated)
 
 
+def lowering_shardings(*args: Any, **kwargs: Any
+                       ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """(in_shardings, out_shardings) of a lowering call, each a `jax.sharding.Sharding` or
+    None where the jit left it to the compiler; None when no argument or result is split
+    over more than one device (a one-device program)."""
+    bound = _LOWER_SIGNATURE.bind(*args, **kwargs).arguments
+
+    def known(shardings: Any) -> tuple[Any, ...]:
+        return tuple(s if isinstance(s, jax.sharding.Sharding) else None for s in shardings)
+
+    ins, outs = known(bound["in_shardings"]), known(bound["out_shardings"])
+    if all(s is None or len(s.device_set) == 1 for s in ins + outs):
+        return None
+    return ins, outs
+
+
 # --- jaxpr types: public in jax.extend.core / jax.core on every supported jax -------------
 _JAXPR_NAMES = ("ClosedJaxpr", "Jaxpr", "JaxprEqn", "Literal", "jaxpr_as_fun")
 _jaxpr_hook, _jaxpr_values = _use(

@@ -46,6 +46,11 @@ _LEVEL_CALLS = frozenset({"while", "conditional", "call"})
 _VIEWS = frozenset({"bitcast", "get-tuple-element", "tuple"})
 ONLINE_SOFTMAX = "online-softmax"
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+# What XLA's SPMD partitioner inserts to move values between the devices of a split program
+# (XLA:TPU issues them as async `-start`/`-done` pairs: the start is the one counted).
+COLLECTIVES = frozenset({"all-gather", "all-to-all", "all-reduce", "reduce-scatter",
+                         "collective-permute", "all-gather-start", "all-reduce-start",
+                         "collective-permute-start"})
 
 _Key = tuple[str, tuple[tuple[str, int], ...]]  # (op_name, ((file, line), ...))
 # Leading jit/jvp scopes of an op_name: an inlined call's ops print their names relative to
@@ -69,6 +74,14 @@ class Placement:
     shape: str
     score_sized: bool
     memory_space: int = 0
+    nbytes: int = 0  # the output's size on one device
+    # A collective's: the site's axis it moves along ("L" of a [B, L, H, D] K or V), or the
+    # operand dimension where the value is none of the site's operands.
+    along: str | None = None
+
+    @property
+    def collective(self) -> bool:
+        return self.what in COLLECTIVES
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -81,6 +94,7 @@ class NativeFate:
     site: AttentionSite
     target: str
     placements: tuple[Placement, ...]
+    partitions: int = 1  # the devices XLA split the program over (its num_partitions)
 
     @property
     def score_buffers(self) -> int:
@@ -97,6 +111,24 @@ class NativeFate:
         """Whether XLA:TPU rewrote the site into its own online-softmax custom call."""
         return any(p.what.endswith(ONLINE_SOFTMAX) for p in self.placements)
 
+    @property
+    def collectives(self) -> tuple[Placement, ...]:
+        """The collectives XLA put in this site's work: a split program moving its operands
+        between devices (an all-gather of K and V where the sequence is split)."""
+        return tuple(p for p in self.placements if p.collective)
+
+    def collectives_summary(self) -> str:
+        """``2 all-gather along L (4.0 MiB per device)``, or "" without any."""
+        from hlotool.units import format_bytes
+
+        groups: dict[tuple[str, str | None], list[Placement]] = {}
+        for p in self.collectives:
+            groups.setdefault((p.what.removesuffix("-start"), p.along), []).append(p)
+        return ", ".join(
+            f"{len(ps)} {what}{f' along {along}' if along else ''} "
+            f"({format_bytes(sum(p.nbytes for p in ps))} per device)"
+            for (what, along), ps in groups.items())
+
     def summary(self) -> str:
         """One line, e.g. ``3 fusion kLoop, 1 custom-call tpu_custom_call online-softmax``."""
         if not self.placements:
@@ -111,6 +143,8 @@ class NativeFate:
             "score_buffers": self.score_buffers,
             "score_buffers_on_chip": self.score_buffers_on_chip,
             "online_softmax": self.online_softmax,
+            "partitions": self.partitions,
+            "collectives": [p.to_json() for p in self.collectives],
         }
 
 
@@ -168,19 +202,28 @@ def _key(inst: Instruction) -> _Key | None:
     return (op_name, frames) if frames else None
 
 
-def score_sized(shape: Shape, site: AttentionSite) -> bool:
+def score_sized(shape: Shape, site: AttentionSite, partitions: int = 1) -> bool:
     """Whether a value (or a tuple element) is one of `site`'s L×L buffers: it holds one
     [B, Hq, Lq, Lk] score matrix's elements and its dims include Lq and Lk. A [Lq, Lk] mask
     or a [B, Lq, Lk] bias before its broadcast is not one. `inspect` and `diff` both count
-    with this."""
+    with this. In a program XLA split over `partitions` devices, a device's share of one is
+    too: the matrix over a divisor n of them, one of B, Hq, Lq or Lk divided by n."""
     if shape.is_tuple:
-        return any(score_sized(s, site) for s in shape.tuple_shapes)
-    dims = list(shape.dims)
-    if shape.num_elements != site.batch * site.num_q_heads * site.q_len * site.kv_len \
-            or site.q_len not in dims:
-        return False
-    dims.remove(site.q_len)
-    return site.kv_len in dims
+        return any(score_sized(s, site, partitions) for s in shape.tuple_shapes)
+    total = site.batch * site.num_q_heads * site.q_len * site.kv_len
+    lq, lk = site.q_len, site.kv_len
+    for n in (d for d in range(1, partitions + 1) if partitions % d == 0):
+        if shape.num_elements * n != total:
+            continue
+        pairs = [(lq, lk)] + [(q, k) for q, k in ((lq // n, lk), (lq, lk // n))
+                              if n > 1 and lq % n == 0 and lk % n == 0]
+        for q, k in pairs:
+            dims = list(shape.dims)
+            if q in dims:
+                dims.remove(q)
+                if k in dims:
+                    return True
+    return False
 
 
 class _Program:
@@ -189,6 +232,7 @@ class _Program:
 
     def __init__(self, module: Module):
         self.module = module
+        self.partitions = int(module.attributes.get("num_partitions", "1") or 1)
         called_by = module.callers()
         levels = [c for c in module.computations.values()
                   if c.is_entry or (c.name in called_by and all(
@@ -249,9 +293,10 @@ class _Program:
         region |= (self.reach(anchors, self.users, unknown)
                    & self.reach(anchors, self.operands, unknown))
         scores = {n for n in unknown - self.inputs
-                  if score_sized(self.insts[n][1].shape, site)}
+                  if score_sized(self.insts[n][1].shape, site, self.partitions)}
         region |= self.reach(region, self.operands, scores)
-        sized = [n for n in region if score_sized(self.insts[n][1].shape, site)]
+        sized = [n for n in region
+                 if score_sized(self.insts[n][1].shape, site, self.partitions)]
         consumers = {u for n in sized for u in self.users[n] if u in unknown}
         return region | consumers | self.reach(consumers, self.users, scores)
 
@@ -299,9 +344,11 @@ def _fates(pre: Module, matches: Sequence[Match], optimized: Module,
     regions = [program.grow(a, unknown, m.site) if a else set()
                for m, a in zip(matches, anchors)]
     return [
-        NativeFate(m.site, target, tuple(_placement(program.insts[n][1], m.site)
+        NativeFate(m.site, target, tuple(_placement(program.insts[n][1], m.site,
+                                                    program.partitions)
                                          for n in sorted(region)
-                                         if program.insts[n][1].opcode not in _VIEWS))
+                                         if program.insts[n][1].opcode not in _VIEWS),
+                   program.partitions)
         for m, region in zip(matches, regions)
     ]
 
@@ -359,7 +406,8 @@ def _anchors(program: _Program, site_keys: Sequence[set[_Key]],
         for j, piece in enumerate(pieces):
             read = {root[piece_of[o]] for n in piece for o in program.operands[n]
                     if piece_of.get(o, j) < j
-                    and score_sized(program.insts[o][1].shape, sites[site])}
+                    and score_sized(program.insts[o][1].shape, sites[site],
+                                    program.partitions)}
             root.append(read.pop() if len(read) == 1 else j)
         roots = sorted(set(root))
         order = sorted(candidates)
@@ -368,7 +416,7 @@ def _anchors(program: _Program, site_keys: Sequence[set[_Key]],
     return anchors
 
 
-def _placement(inst: Instruction, site: AttentionSite) -> Placement:
+def _placement(inst: Instruction, site: AttentionSite, partitions: int) -> Placement:
     if inst.opcode == "fusion":
         what = f"fusion {inst.attributes.get('kind', '?')}"
         config = inst.backend_config
@@ -384,8 +432,25 @@ def _placement(inst: Instruction, site: AttentionSite) -> Placement:
     else:
         what = inst.opcode
     space = _MEMORY_SPACE.search(inst.shape.layout or "")
-    return Placement(inst.name, what, _shape_text(inst.shape), score_sized(inst.shape, site),
-                     int(space.group(1)) if space else 0)
+    return Placement(inst.name, what, _shape_text(inst.shape),
+                     score_sized(inst.shape, site, partitions),
+                     int(space.group(1)) if space else 0,
+                     0 if inst.shape.is_tuple and inst.opcode not in COLLECTIVES
+                     else inst.shape.nbytes,
+                     _along(inst, site) if inst.opcode in COLLECTIVES else None)
+
+
+def _along(inst: Instruction, site: AttentionSite) -> str | None:
+    """The axis a collective moves along, named as the site's layout names it where its
+    value has the shape of one of q, k or v ("L"), else "dim N"."""
+    found = re.findall(r"\d+", str(inst.attributes.get("dimensions", "")))
+    if len(found) != 1 or inst.shape.is_tuple:
+        return None
+    dim, dims = int(found[0]), tuple(inst.shape.dims)
+    if dims in (tuple(site.q_shape), tuple(site.k_shape), tuple(site.v_shape)) \
+            and dim < len(site.layout):
+        return site.layout[dim]
+    return f"dim {dim}"
 
 
 def _shape_text(shape: Shape) -> str:

@@ -1,0 +1,89 @@
+"""Attention whose sequence axis is split over devices (issue 39): `inspect` compiles the
+program as the script's run split it and reports, per site, the devices and the collectives
+XLA put in its work (an all-gather of K and V along L); `rewrite` prices memory per device.
+8 host CPU devices, in a subprocess: XLA_FLAGS must precede jax's first backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hlotool.hlo import parse_shape
+from hlotool.passes.native import score_sized
+from hlotool.site import AttentionSite
+
+B, L, H, D = 1, 512, 4, 64
+
+SCRIPT = textwrap.dedent(f"""
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+    seq = NamedSharding(mesh, P(None, "seq"))
+
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        s = jnp.where(jnp.tril(jnp.ones((q.shape[1],) * 2, bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    x = jax.device_put(jnp.ones(({B}, {L}, {H}, {D}), jnp.float32), seq)
+    jax.jit(attention, out_shardings=seq)(x, x, x).block_until_ready()
+    """)
+
+
+def _hlotool(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "split.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "hlotool", *args[:1], str(script), *args[1:]],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_inspect_reports_the_devices_and_the_all_gathers_of_a_split_sequence(tmp_path):
+    done = _hlotool(tmp_path, "inspect", "--json")
+    assert done.returncode == 0, done.stderr
+    (site,) = json.loads(done.stdout)["sites"]
+    cpu = site["native"]["cpu"]
+    assert cpu["partitions"] == 8
+    # K for Q·Kᵀ and V for P·V, each gathered whole onto every device.
+    gathered = [(c["what"], c["along"], c["nbytes"]) for c in cpu["collectives"]]
+    assert gathered == [("all-gather", "L", B * L * H * D * 4)] * 2
+    assert cpu["score_buffers"] > 0  # each device's [L/8, L] share of the scores
+    table = _hlotool(tmp_path, "inspect")
+    assert table.returncode == 0, table.stderr
+    row = next(line for line in table.stdout.splitlines() if "cpu (8 devices)" in line)
+    gathered_mib = 2 * B * L * H * D * 4 / 2**20
+    assert f"2 all-gather along L ({gathered_mib:.1f} MiB per device)" in row, row
+
+
+def test_rewrite_prices_a_split_program_per_device(tmp_path):
+    done = _hlotool(tmp_path, "rewrite", "--json")
+    assert done.returncode == 0, done.stderr
+    (memory,) = json.loads(done.stdout)["memory"]
+    # three [1, 512, 4, 64] float32 arguments, an eighth of each on a device
+    assert memory["native"]["arguments"] == 3 * B * L * H * D * 4 // 8
+    table = _hlotool(tmp_path, "rewrite")
+    assert table.returncode == 0, table.stderr
+    assert "cpu: per device, attention split over 8" in table.stdout
+
+
+@pytest.mark.parametrize("dims, partitions, expected", [
+    ((1, 4, 512, 512), 1, True),
+    ((1, 4, 64, 512), 1, False),    # one device: a slice is not the matrix
+    ((1, 4, 64, 512), 8, True),     # Lq split 8 ways
+    ((1, 4, 512, 64), 8, True),     # Lk split 8 ways
+    ((1, 2, 512, 512), 8, True),    # heads split 2 ways (2 divides 8)
+    ((1, 4, 64, 512), 6, False),    # 8 does not divide 6 devices
+    ((1, 4, 128, 128), 8, False),   # a 128×128 tile: 1/16 of the matrix, not a share
+])
+def test_a_device_s_share_of_the_scores_is_score_sized(dims, partitions, expected):
+    site = AttentionSite(batch=1, q_len=512, kv_len=512, num_q_heads=4, num_kv_heads=4,
+                         head_dim=64, v_head_dim=64, dtype="float32", scale=0.125)
+    shape = parse_shape(f"f32[{','.join(map(str, dims))}]")
+    assert score_sized(shape, site, partitions) is expected
