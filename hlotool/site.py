@@ -24,6 +24,9 @@ MASK_KINDS: tuple[str, ...] = ("none", "causal", "local", "additive", "boolean")
 
 
 Band = tuple[int | None, int | None]
+# At most this many query rows against a cache 16 times longer make a decode step (one
+# token, or a few a speculative decoder verifies at once).
+DECODE_ROWS = 8
 CAUSAL: Band = (None, 0)  # the band of a causal mask: keys up to the query's own position
 
 
@@ -112,9 +115,15 @@ class AttentionSite:
             )
 
     @property
+    def decode(self) -> bool:
+        """A decode step: a few query rows (one per generated token) against a longer key
+        cache; it reads K and V once and writes no L×L buffer."""
+        return self.q_len <= DECODE_ROWS and self.kv_len >= 16 * self.q_len
+
+    @property
     def variants(self) -> tuple[str, ...]:
-        """The softmax variants the site uses, as reports name them."""
-        out = []
+        """The softmax variants the site uses, as reports name them (and "decode step")."""
+        out = ["decode step"] if self.decode else []
         if self.window is not None:
             left, right = ("∞" if w is None else str(w) for w in self.window)
             out.append(f"window ({left}, {right})")

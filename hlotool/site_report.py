@@ -90,16 +90,21 @@ class Report:
             return f"{self.function}: no attention site"
         lines = [f"{self.function}: {len(self.sites)} site(s), {self.rewritten} rewritten"]
         for i, s in enumerate(self.sites):
-            a = s.site
-            lines.append(f"  [{i}] {a.source or '?'} ({s.where}) q{list(a.q_shape)} "
-                         f"k{list(a.k_shape)} {a.dtype} mask={a.mask_text}"
-                         f"{''.join(', ' + v for v in a.variants)}")
+            lines.append(f"  [{i}] {headline(s)}")
             if s.blocker:
                 lines.append(f"      {', '.join(s.choices)}: native — {s.blocker}")
             else:
                 lines.extend(f"      {describe(group)}" for group in s.groups())
             lines.extend(f"      {note}" for note in s.notes)
         return "\n".join(lines)
+
+
+def headline(s: SiteReport) -> str:
+    """"model.py:12 (in forward) q[2, 1, 8, 64] k[2, 4096, 8, 64] bfloat16 mask=key padding,
+    decode step": where the site is and what it is."""
+    a = s.site
+    return (f"{a.source or '?'} ({s.where}) q{list(a.q_shape)} k{list(a.k_shape)} {a.dtype} "
+            f"mask={a.mask_text}{''.join(', ' + v for v in a.variants)}")
 
 
 def describe(group: tuple[Choice, ...]) -> str:

@@ -12,6 +12,7 @@ from hlotool.errors import HlotoolError
 from hlotool.hardware import HARDWARE, Hardware, get_hardware
 from hlotool.kernels.base import naive_cost
 from hlotool.site import AttentionSite
+from hlotool.units import format_bytes
 
 
 def site(length: int, *, heads: int = 8, dim: int = 64, dtype: str = "float32",
@@ -153,3 +154,21 @@ def test_fit_bandwidth_refuses_a_time_below_the_matmuls():
     # QKᵀ and P·V alone take 4 s on the toy chip whatever the bandwidth.
     with pytest.raises(HlotoolError, match="faster than the native matmuls alone on toy"):
         fit_bandwidth(TINY, TOY, 3.9)
+
+
+def test_a_decode_step_is_priced_as_the_read_of_its_cache():
+    """One query row against a 4096-key cache: reported as a decode step, kept native on
+    every chip with the bytes of K and V it reads (the kernel saves only the [B, H, 1, Lk]
+    scores); a prefill of the same cache is no decode step."""
+    step = dataclasses.replace(site(4096), q_len=1)
+    assert step.decode and "decode step" in step.variants
+    assert not site(4096).decode and "decode step" not in site(4096).variants
+    kv = step.batch * 4096 * step.num_kv_heads * (step.head_dim + step.v_head_dim) \
+        * step.itemsize
+    for chip in ("cpu", "tpu-v5e", "h100"):
+        v = verdict(step, chip, check_fusion=False)
+        assert not v.pays, v.reason
+        assert v.why.startswith("decode step (1 query row against 4096 keys): it reads K and "
+                                f"V once ({format_bytes(kv)}, "), v.why
+        assert "memory-bound" in v.why
+        assert v.speedup < 1.2

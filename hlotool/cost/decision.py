@@ -22,7 +22,7 @@ from hlotool import jaxcompat, kernels
 from hlotool.kernels import AttentionKernel, Refusal
 from hlotool.site import AttentionSite
 from hlotool.targets import tpu_compiler_loaded
-from hlotool.units import format_bytes
+from hlotool.units import format_bytes, format_seconds
 
 # Roofline speedup below which a custom call is not worth its opacity (profilers, updates).
 MIN_SPEEDUP = 1.2
@@ -119,6 +119,15 @@ def verdict(
     if native.temp_bytes > hw.hbm_bytes:
         return conclude(True, f"native needs {format_bytes(native.temp_bytes)} of "
                               f"temporaries, more than the {format_bytes(hw.hbm_bytes)} HBM")
+    if site.decode and native.seconds / flash.seconds < MIN_SPEEDUP:
+        kv = site.batch * site.kv_len * site.num_kv_heads * (site.head_dim + site.v_head_dim) \
+            * site.itemsize
+        return conclude(False, f"decode step ({site.q_len} query row{'s' * (site.q_len > 1)}"
+                               f" against {site.kv_len} keys): it reads K and V once "
+                               f"({format_bytes(kv)}, {format_seconds(native.seconds)} "
+                               f"{native.bound}-bound) and writes no L×L buffer; the kernel's "
+                               f"roofline ×{native.seconds / flash.seconds:.2f} leaves "
+                               "nothing to win")
     if site.q_len * site.kv_len < SHORT_SCORES:
         speedup = native.seconds / flash.seconds
         return conclude(False, f"short sequence: Lq={site.q_len}, "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hlotool.report.console import Term, printable
-from hlotool.site_report import describe
+from hlotool.site_report import describe, headline
 
 
 def render_rewrite(report, term: Term | None = None) -> str:
@@ -18,10 +18,7 @@ def render_rewrite(report, term: Term | None = None) -> str:
     lines = [term.style(f"{name}: {n} site{'s' if n != 1 else ''}, {report.rewritten} "
                         "rewritten", "bold")]
     for i, s in enumerate(report.sites):
-        a = s.site
-        lines.append(term.wrap(
-            f"[{i}] {printable(a.source or '?')} ({s.where}) q{list(a.q_shape)} "
-            f"k{list(a.k_shape)} {a.dtype} mask={a.mask_text}", "  ", "      "))
+        lines.append(term.wrap(f"[{i}] {printable(headline(s))}", "  ", "      "))
         if s.blocker:  # one reason keeps it native everywhere
             lines.append(term.wrap(f"{', '.join(s.choices)}: native — {s.blocker}", "      ",
                                    "        "))
