@@ -1046,16 +1046,19 @@ def profile(script: str, script_args: tuple[str, ...], kernel: str, trace_dir: s
             profiles.append(profile_function(f, where, kernel, repeats))
         if profiles[-1].traces:
             list_in_manifest(where, [f.file_stem])
+    traced = any(p.traces for p in profiles)
+    if not traced and trace_dir is None:
+        shutil.rmtree(where, ignore_errors=True)  # ours, and empty of traces
+    kept = where if traced or trace_dir is not None else None
     if as_json:
         click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,
-                               "trace_dir": where, "repeats": repeats,
+                               "trace_dir": kept, "repeats": repeats,
                                "functions": [p.to_json() for p in profiles]}, indent=2))
     else:
         term = Term.of()
         _echo(render_profile(profiles, term), term)
-    traced = [p for p in profiles if p.traces]
-    click.echo(f"traces: {printable(where)}" if traced else
-               f"nothing traced (an empty {printable(where)} is left)", err=as_json)
+    click.echo(f"traces: {printable(where)}" if traced else "nothing traced" + (
+        f" ({printable(where)} holds no trace)" if kept else ""), err=as_json)
 
 
 cli.add_command(doctor)

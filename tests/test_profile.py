@@ -117,6 +117,25 @@ def test_profile_without_trace_makes_a_new_directory_and_prints_it(model):
         shutil.rmtree(where, ignore_errors=True)
 
 
+def test_profile_that_traces_nothing_leaves_no_directory(model, tmp_path):
+    """`mlp` has no attention site: nothing is traced, and the directory profile made for the
+    traces is gone again (one given with --trace is the user's and stays)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "COLUMNS": "200", "JAX_PLATFORMS": "cpu", "TMPDIR": str(scratch)}
+    result = subprocess.run([sys.executable, "-m", "hlotool", "profile", model + ":mlp",
+                             "--repeats", "1"], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "nothing traced"
+    assert not glob.glob(str(scratch / "hlotool-profile-*"))
+    given = tmp_path / "prof"
+    kept = run("profile", model + ":mlp", "--repeats", "1", "--trace", str(given))
+    assert kept.returncode == 0, kept.stderr
+    assert given.is_dir()
+    assert kept.stdout.strip().splitlines()[-1] == f"nothing traced ({given} holds no trace)"
+
+
 # ----------------------------------------------------------------------------------------
 # Reading traces
 
