@@ -113,6 +113,14 @@ class CapturedFunction:
         return max(len(s.device_set) for s in (*self.shardings[0], *self.shardings[1])
                    if s is not None)
 
+    def split_on(self, target: str | Target) -> bool:
+        """Whether `target`'s stages are this program split over devices (the host, a pod
+        slice that holds the run's mesh), not whole on one."""
+        t = get_target(target)
+        self.lowered(t)
+        return self.devices > 1 and t.name not in self._whole and (
+            t.topology is None or self._split_for(t) is not None)
+
     @property
     def file_stem(self) -> str:
         """Deterministic, findable file stem, e.g. ``003_jit_train_step``."""
@@ -148,8 +156,8 @@ class CapturedFunction:
         t = get_target(target)
         if t.name not in self._lowered:
             sharding = t.sharding()
-            attempts = [self.shardings] if sharding is None and self.shardings else []
-            attempts.append(None)
+            attempts = [self._split_for(t)] if self.shardings else []
+            attempts = [a for a in attempts if a is not None] + [None]
             for split in attempts:
                 try:
                     with t.lowering():
@@ -163,6 +171,18 @@ class CapturedFunction:
                             f"cannot lower {self.name} for {t.name}: {first_line(e)}"
                         ) from e
         return self._lowered[t.name]
+
+    def _split_for(self, t: Target) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """The run's shardings as `t` takes them: the host as they are, a pod slice laid
+        onto its chips (`Target.split`); None for one chip, or a split the pod cannot hold."""
+        if self.shardings is None or t.topology is None:
+            return self.shardings
+        laid = tuple(tuple(t.split(s) if s is not None else None for s in side)
+                     for side in self.shardings)
+        if any((s is None) != (x is None) for side, got in zip(self.shardings, laid)
+               for s, x in zip(side, got)):
+            return None
+        return laid
 
     def _arguments(self, sharding: Any, split: Any) -> list[jax.ShapeDtypeStruct]:
         ins = split[0] if split else (sharding,) * len(self.in_avals)

@@ -902,14 +902,16 @@ def rewrite(script: str, script_args: tuple[str, ...], kernel: str, stage: str |
 
 
 def _per_device(functions: Sequence[CapturedFunction], targets: Sequence[Target]) -> str:
-    """"; cpu: per device, attention split over 8" where the script ran a program split over
-    several devices: the host compiles it partitioned as the run did (TPU targets, one chip,
-    whole)."""
-    split = [f for f in functions if f.devices > 1]
-    if not split or not any(t.topology is None for t in targets):
-        return ""
-    return "; cpu: per device, " + ", ".join(
-        f"{printable(f.name)} split over {f.devices}" for f in split)
+    """"; cpu: per device, attention split over 8" for each target that compiles a program
+    the script split over several devices split the same way (the host; a pod slice that
+    holds the run's mesh): its memory figures are one device's."""
+    notes = []
+    for t in targets:
+        split = [f for f in functions if f.devices > 1 and f.split_on(t)]
+        if split:
+            notes.append(f"{t.name}: per device, " + ", ".join(
+                f"{printable(f.name)} split over {f.devices}" for f in split))
+    return "".join("; " + note for note in notes)
 
 
 def _memory_if_it_paid(f: CapturedFunction, report: Any, targets: Sequence[Target]

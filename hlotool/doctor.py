@@ -165,30 +165,34 @@ def target_checks() -> list[Check]:
     from hlotool.errors import HlotoolError, first_line
     from hlotool.targets import TARGETS, libtpu_missing
 
-    checks = []
+    # One row per TPU generation: its one-chip target and its pod slice compile alike.
+    families: dict[str, list] = {}
     for target in TARGETS.values():
-        if not target.deviceless:
-            continue
-        missing = libtpu_missing(target.name)
+        if target.deviceless:
+            families.setdefault(target.topology.split(":")[0], []).append(target)
+    checks = []
+    for family in families.values():
+        what = "target " + ", ".join(t.name for t in family)
+        missing = libtpu_missing(family[0].name)
         if missing is not None:
-            checks.append(Check(f"target {target.name}", OFF,
-                                'libtpu not installed: pip install "hlotool[tpu]"'))
+            checks.append(Check(what, OFF, 'libtpu not installed: pip install "hlotool[tpu]"'))
             continue
         start = time.perf_counter()
         try:
-            sharding = target.sharding()
-            x = jax.ShapeDtypeStruct((8, 128), jax.numpy.float32, sharding=sharding)
-            jitted = jax.jit(lambda a: a * 2 + 1, in_shardings=sharding, out_shardings=sharding)
-            jitted.trace(x).lower().compile()
+            for target in family:
+                sharding = target.sharding()
+                x = jax.ShapeDtypeStruct((8, 128), jax.numpy.float32, sharding=sharding)
+                jitted = jax.jit(lambda a: a * 2 + 1, in_shardings=sharding,
+                                 out_shardings=sharding)
+                jitted.trace(x).lower().compile()
         except HlotoolError as e:
-            checks.append(Check(f"target {target.name}", FAIL, str(e)))
+            checks.append(Check(what, FAIL, f"{target.name}: {e}"))
         except Exception as e:  # noqa: BLE001 - a compile failure of any kind is the finding
-            first = first_line(e)
-            checks.append(Check(f"target {target.name}", FAIL, f"compile failed: {first}"))
+            checks.append(Check(what, FAIL, f"{target.name}: compile failed: {first_line(e)}"))
         else:
-            checks.append(Check(f"target {target.name}", OK,
-                                f"compiled deviceless ({target.topology}) in "
-                                f"{time.perf_counter() - start:.1f} s"))
+            checks.append(Check(what, OK, "compiled deviceless ("
+                                + ", ".join(t.topology for t in family)
+                                + f") in {time.perf_counter() - start:.1f} s"))
     return checks
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -43,6 +44,39 @@ class Target:
     def deviceless(self) -> bool:
         """True when this machine compiles for the target without having one attached."""
         return self.topology is not None
+
+    @property
+    def chips(self) -> int:
+        """The chips of the target's topology ("v5p:2x2x2": 8); 1 for the host."""
+        if self.topology is None:
+            return 1
+        return math.prod(int(n) for n in self.topology.split(":")[1].split("x"))
+
+    def split(self, sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
+        """`sharding` (a script's, on its own devices) laid onto this pod's chips: the same
+        mesh axes and partition spec over the topology's devices, so a program split over 8
+        host devices compiles split over 8 TPU chips. None for a one-chip target, a mesh
+        larger than the pod, or a sharding that is not a NamedSharding."""
+        from jax.sharding import NamedSharding
+
+        if not isinstance(sharding, NamedSharding) or self.chips == 1:
+            return None
+        mesh = sharding.mesh
+        if mesh.size > self.chips:
+            return None
+        import jax
+        import numpy as np
+
+        from hlotool import jaxcompat
+
+        topology = _topology(self.topology)
+        if mesh.size == self.chips:  # laid out along the pod's links, as jax.make_mesh does
+            laid = jaxcompat.make_mesh(topology, mesh.devices.shape, mesh.axis_names)
+        else:
+            laid = jax.sharding.Mesh(
+                np.array(topology.devices[:mesh.size]).reshape(mesh.devices.shape),
+                mesh.axis_names)
+        return NamedSharding(laid, sharding.spec)
 
     def sharding(self) -> jax.sharding.Sharding | None:
         """Replicated sharding on a 1-device mesh of the target; None for the host CPU.
@@ -80,6 +114,10 @@ TARGETS: dict[str, Target] = {
         Target("tpu-v5e", "tpu", "v5e:1x1", "TPU v5e, one chip"),
         Target("tpu-v5p", "tpu", "v5p:1x1x1", "TPU v5p, one chip"),
         Target("tpu-v6e", "tpu", "v6e:1x1", "TPU v6e, one chip"),
+        # Pod slices: a program the script split over devices compiles split over their
+        # chips (`split`); any other compiles for one of them.
+        Target("tpu-v5p-8", "tpu", "v5p:2x2x2", "TPU v5p slice, 8 chips (2x2x2)"),
+        Target("tpu-v6e-16", "tpu", "v6e:4x4", "TPU v6e slice, 16 chips (4x4)"),
     )
 }
 
@@ -149,7 +187,18 @@ _TPU_DEVICE_FILES = ("/dev/accel0", "/dev/vfio/0")
 
 
 @functools.cache
+def _topology(topology: str):
+    """The deviceless topology's description (its `devices`), once the sharding made it."""
+    from hlotool import jaxcompat
+
+    _replicated_sharding(topology)  # loads libtpu, or says why it cannot
+    return jaxcompat.get_topology_desc(topology_name=topology, platform="tpu")
+
+
+@functools.cache
 def _replicated_sharding(topology: str) -> jax.sharding.NamedSharding:
+    import jax
+    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
     from hlotool import jaxcompat
@@ -160,7 +209,9 @@ def _replicated_sharding(topology: str) -> jax.sharding.NamedSharding:
     with _quiet_stderr() as noise:
         try:
             topo = jaxcompat.get_topology_desc(topology_name=topology, platform="tpu")
-            mesh = jaxcompat.make_mesh(topo, (1,), ("x",))
+            # One chip of the topology (a pod slice's first): what a program not split over
+            # devices runs on.
+            mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
         except HlotoolError:
             raise
         except Exception as e:  # libtpu refusing the topology: say why

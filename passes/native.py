@@ -298,7 +298,27 @@ class _Program:
         sized = [n for n in region
                  if score_sized(self.insts[n][1].shape, site, self.partitions)]
         consumers = {u for n in sized for u in self.users[n] if u in unknown}
-        return region | consumers | self.reach(consumers, self.users, scores)
+        region |= consumers | self.reach(consumers, self.users, scores)
+        return region | self.collectives_feeding(region, unknown)
+
+    def collectives_feeding(self, region: set[int], unknown: set[int]) -> set[int]:
+        """The collectives without metadata of their own (XLA:TPU's SPMD partitioner names
+        them after a reshape) whose values `region` reads: the site's operands moved between
+        devices for it, an async pair's start and done both."""
+        found: set[int] = set()
+        for n in region:
+            for o in self.operands[n]:
+                opcode = self.insts[o][1].opcode
+                if o not in unknown:
+                    continue
+                if opcode.endswith("-done"):
+                    starts = [s for s in self.operands[o] if s in unknown
+                              and self.insts[s][1].opcode in COLLECTIVES]
+                    if starts:
+                        found |= {o, *starts}
+                elif opcode in COLLECTIVES:
+                    found.add(o)
+        return found
 
     def components(self, nodes: set[int]) -> list[list[int]]:
         """Weakly connected pieces of `nodes`, each in program order, ordered by first node.

@@ -156,7 +156,8 @@ def test_tpu_target_compiles_deviceless():
 
 
 @pytest.mark.parametrize(
-    ("name", "kind"), [("tpu-v5e", "TPU v5 lite"), ("tpu-v5p", "TPU v5"), ("tpu-v6e", "TPU v6 lite")]
+    ("name", "kind"), [("tpu-v5e", "TPU v5 lite"), ("tpu-v5p", "TPU v5"), ("tpu-v6e", "TPU v6 lite"),
+                       ("tpu-v5p-8", "TPU v5"), ("tpu-v6e-16", "TPU v6 lite")]
 )
 def test_tpu_targets_are_single_chip_topologies(name, kind):
     sharding = get_target(name).sharding()
@@ -167,10 +168,11 @@ def test_tpu_targets_are_single_chip_topologies(name, kind):
 
 def test_unknown_target_lists_valid_names():
     with pytest.raises(UnknownTargetError, match="unknown target 'tpu-v4'; valid targets: "
-                       "cpu, tpu-v5e, tpu-v5p, tpu-v6e"):
+                       "cpu, tpu-v5e, tpu-v5p, tpu-v6e, tpu-v5p-8, tpu-v6e-16"):
         get_target("tpu-v4")
     assert get_target("cpu").sharding() is None and set(TARGETS) == {
-        "cpu", "tpu-v5e", "tpu-v5p", "tpu-v6e"}
+        "cpu", "tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu-v5p-8", "tpu-v6e-16"}
+    assert [get_target(t).chips for t in TARGETS] == [1, 1, 1, 1, 8, 16]
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,8 @@ def test_doctor_on_this_install_is_one_screen_and_exits_0():
     assert whats[2].startswith("jaxlib ") and whats[3].startswith("libtpu ")
     assert whats[4:] == [*(f"hook {name}" for name in jaxcompat.HOOKS),
                          *(f"kernel {name}" for name in kernels.names()),
-                         "target tpu-v5e", "target tpu-v5p", "target tpu-v6e", "graphviz dot"]
+                         "target tpu-v5e", "target tpu-v5p, tpu-v5p-8",
+                         "target tpu-v6e, tpu-v6e-16", "graphviz dot"]
     assert rows[f"jax {jax.__version__}"][0] == "ok"
     assert rows["hook jit lowering"] == (
         "ok", "jax._src.interpreters.pxla.lower_sharding_computation (private)")
@@ -139,8 +140,8 @@ def test_without_libtpu_tpu_targets_are_off_not_failing(monkeypatch):
     monkeypatch.setattr(doctor, "_version", lambda d: None if d == "libtpu" else "0.12.0")
     checks = doctor.version_checks() + doctor.target_checks()
     assert [(c.what, c.status) for c in checks if "tpu" in c.what] == [
-        ("libtpu -", "off"), ("target tpu-v5e", "off"), ("target tpu-v5p", "off"),
-        ("target tpu-v6e", "off")]
+        ("libtpu -", "off"), ("target tpu-v5e", "off"), ("target tpu-v5p, tpu-v5p-8", "off"),
+        ("target tpu-v6e, tpu-v6e-16", "off")]
     assert dict(doctor.features(checks))["TPU targets"] == "off"
     assert not any(c.status == doctor.FAIL for c in checks)
 

@@ -46,15 +46,23 @@ def _hlotool(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_inspect_reports_the_devices_and_the_all_gathers_of_a_split_sequence(tmp_path):
-    done = _hlotool(tmp_path, "inspect", "--json")
+    """On the host and on a v5p slice of 8 chips (deviceless): 8 partitions, K and V each
+    all-gathered whole along L (float32 on the host; XLA:TPU gathers them as the bfloat16
+    its dots read); a one-chip target compiles the program whole."""
+    done = _hlotool(tmp_path, "inspect", "--json", "--target", "cpu", "--target", "tpu-v5p-8",
+                    "--target", "tpu-v5e")
     assert done.returncode == 0, done.stderr
     (site,) = json.loads(done.stdout)["sites"]
-    cpu = site["native"]["cpu"]
-    assert cpu["partitions"] == 8
-    # K for Q·Kᵀ and V for P·V, each gathered whole onto every device.
-    gathered = [(c["what"], c["along"], c["nbytes"]) for c in cpu["collectives"]]
-    assert gathered == [("all-gather", "L", B * L * H * D * 4)] * 2
-    assert cpu["score_buffers"] > 0  # each device's [L/8, L] share of the scores
+    for target, itemsize in (("cpu", 4), ("tpu-v5p-8", 2)):
+        fate = site["native"][target]
+        assert fate["partitions"] == 8, target
+        # K for Q·Kᵀ and V for P·V, each gathered whole onto every device.
+        gathered = [(c["what"].removesuffix("-start"), c["along"], c["nbytes"])
+                    for c in fate["collectives"]]
+        assert gathered == [("all-gather", "L", B * L * H * D * itemsize)] * 2, target
+        assert fate["score_buffers"] > 0  # each device's [L/8, L] share of the scores
+    whole = site["native"]["tpu-v5e"]
+    assert whole["partitions"] == 1 and whole["collectives"] == []
     table = _hlotool(tmp_path, "inspect")
     assert table.returncode == 0, table.stderr
     row = next(line for line in table.stdout.splitlines() if "cpu (8 devices)" in line)
