@@ -118,7 +118,7 @@ def describe(group: tuple[Choice, ...]) -> str:
         text = f"{names}: {first.reason}"  # the verdict says "native" itself
     else:
         text = f"{names}: {first.kernel or 'native'} — {first.reason}"
-    blocks = first.verdict.kernel.blocks if first.verdict and first.verdict.kernel else None
+    blocks = first.verdict.kernel.score_blocks if first.verdict and first.verdict.kernel else None
     if first.priced is not None and blocks is not None and blocks.skipped:
         text += (f"; the band skips {blocks.skipped} of {blocks.total} score tiles "
                  f"({blocks.block_q}×{blocks.block_k}) per head")

@@ -155,7 +155,7 @@ class KernelCost:
     transcendentals: int
     hbm_bytes: int
     onchip_bytes: int
-    blocks: ScoreBlocks | None = None  # the score tiles of one head a tiled kernel computes
+    score_blocks: ScoreBlocks | None = None  # the score tiles of one head a tiled kernel computes
 
     def __add__(self, other: KernelCost) -> KernelCost:
         return KernelCost(
@@ -163,7 +163,7 @@ class KernelCost:
             self.transcendentals + other.transcendentals,
             self.hbm_bytes + other.hbm_bytes,
             max(self.onchip_bytes, other.onchip_bytes),
-            self.blocks or other.blocks,
+            self.score_blocks or other.score_blocks,
         )
 
 

@@ -49,7 +49,7 @@ class Figures:
     onchip_bytes: int
     seconds: float
     bound: str
-    blocks: ScoreBlocks | None = None  # a tiled kernel's score tiles per head, computed of all
+    score_blocks: ScoreBlocks | None = None  # a tiled kernel's score tiles per head
 
     @property
     def intensity(self) -> float:
@@ -58,7 +58,7 @@ class Figures:
 
     def to_json(self) -> dict:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        blocks = fields.pop("blocks")
+        blocks = fields.pop("score_blocks")
         return {**fields, "intensity": self.intensity,
                 "score_blocks": None if blocks is None else blocks.to_json()}
 
@@ -178,7 +178,7 @@ def analytic(
         c, m = mm / rate, cost.hbm_bytes / hw.hbm_bandwidth
         return Figures(cost.flops, cost.transcendentals, cost.hbm_bytes,
                        kernel_temp_bytes(site, backward=backward), cost.onchip_bytes,
-                       max(c, m), "compute" if c >= m else "memory", cost.blocks)
+                       max(c, m), "compute" if c >= m else "memory", cost.score_blocks)
     raise HlotoolError(f"side must be 'native' or 'kernel', got {side!r}")
 
 
