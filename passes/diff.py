@@ -347,6 +347,16 @@ class ModuleDiff:
     def instruction(self, side: str, node: str) -> Instruction:
         return (self._before_side if side == "before" else self._after_side).inst[node]
 
+    def partitions(self, side: str) -> int:
+        """The devices XLA split `side`'s program over (its num_partitions; 1 unsplit)."""
+        module = self.before if side == "before" else self.after
+        return int(module.attributes.get("num_partitions", "1") or 1)
+
+    def score_sized(self, side: str, node: str, site: AttentionSite) -> bool:
+        """Whether `node` is one of `site`'s L×L buffers (a device's share in a split
+        program), as `inspect` counts them (`hlotool.passes.native.score_sized`)."""
+        return score_sized(self.instruction(side, node).shape, site, self.partitions(side))
+
     def fused(self, side: str, node: str) -> bool:
         """True when `node` lives in a fusion body or a reducer, not in a program-level
         computation (entry, loop body, branch), so it is no buffer of its own."""
@@ -365,9 +375,9 @@ class ModuleDiff:
         buffers = None
         if site is not None:
             buffers = (
-                sum(score_sized(i.shape, site) for n, i in zip(removed, a)
+                sum(self.score_sized("before", n, site) for n in removed
                     if not self.fused("before", n)),
-                sum(score_sized(i.shape, site) for n, i in zip(added, b)
+                sum(self.score_sized("after", n, site) for n in added
                     if not self.fused("after", n)),
             )
         return ChangeStats(

@@ -79,6 +79,11 @@ def test_rewrite_prices_a_split_program_per_device(tmp_path):
     table = _hlotool(tmp_path, "rewrite")
     assert table.returncode == 0, table.stderr
     assert "cpu: per device, attention split over 8" in table.stdout
+    # diff counts a device's share of the scores as inspect does
+    diff = _hlotool(tmp_path, "diff", "--stage", "optimized")
+    assert diff.returncode == 0, diff.stderr
+    site = next(line for line in diff.stdout.splitlines() if line.strip().startswith("site 1"))
+    assert "L×L buffers 0 →" not in site and "L×L buffers" in site, site
 
 
 @pytest.mark.parametrize("dims, partitions, expected", [

@@ -450,9 +450,7 @@ def change_line(f: FunctionDiff, change: SiteChange) -> str:
     inside = box.nodes if box is not None else frozenset()
     line = d.stats(change.removed, change.added | inside, change.site).line()
     if change.site is not None and inside:
-        from hlotool.passes.native import score_sized
-
-        tiles = sum(score_sized(d.instruction("after", n).shape, change.site)
+        tiles = sum(d.score_sized("after", n, change.site)
                     for n in inside if not d.fused("after", n))
         if tiles:
             line += (f" ({tiles} of them the kernel's tiles: at Lk={change.site.kv_len} one "
