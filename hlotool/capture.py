@@ -99,27 +99,26 @@ class CapturedFunction:
     # lowered with them, so XLA partitions the program as the script's run did.
     shardings: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
     _lowered: dict[str, jax.stages.Lowered] = dataclasses.field(default_factory=dict, repr=False)
-    _whole: set[str] = dataclasses.field(default_factory=set, repr=False)  # split failed
+    # Per target lowered: whether its stages are the program split over devices.
+    _split: dict[str, bool] = dataclasses.field(default_factory=dict, repr=False)
     _compiled: dict[str, jax.stages.Compiled] = dataclasses.field(
         default_factory=dict, repr=False
     )
 
     @property
     def devices(self) -> int:
-        """The devices the script's run split this program over (1: not split); the host's
-        stages are that program, partitioned, and its figures are per device."""
-        if self.shardings is None or "cpu" in self._whole:
+        """The devices the script's run split this program over (1: not split)."""
+        if self.shardings is None:
             return 1
         return max(len(s.device_set) for s in (*self.shardings[0], *self.shardings[1])
                    if s is not None)
 
     def split_on(self, target: str | Target) -> bool:
         """Whether `target`'s stages are this program split over devices (the host, a pod
-        slice that holds the run's mesh), not whole on one."""
+        slice that holds the run's mesh), not whole on one: its figures are per device."""
         t = get_target(target)
         self.lowered(t)
-        return self.devices > 1 and t.name not in self._whole and (
-            t.topology is None or self._split_for(t) is not None)
+        return self._split[t.name]
 
     @property
     def file_stem(self) -> str:
@@ -150,23 +149,22 @@ class CapturedFunction:
         return self.compiled(target).as_text()
 
     def lowered(self, target: str | Target = "cpu") -> jax.stages.Lowered:
-        """The function re-lowered for `target` (deviceless for TPU targets); for the host,
-        split over the devices the script's run split it over (`shardings`), or whole
-        where that split no longer lowers."""
+        """The function re-lowered for `target` (deviceless for TPU targets): split as the
+        script's run split it (`shardings`) on the host and on a pod slice that holds the
+        run's mesh, or whole where that split no longer lowers."""
         t = get_target(target)
         if t.name not in self._lowered:
             sharding = t.sharding()
-            attempts = [self._split_for(t)] if self.shardings else []
-            attempts = [a for a in attempts if a is not None] + [None]
-            for split in attempts:
+            split = self._split_for(t)
+            for attempt in ([split] if split else []) + [None]:
                 try:
                     with t.lowering():
-                        self._lowered[t.name] = self._jitted(sharding, split).trace(
-                            *self._arguments(sharding, split)).lower()
+                        self._lowered[t.name] = self._jitted(sharding, attempt).trace(
+                            *self._arguments(sharding, attempt)).lower()
+                    self._split[t.name] = attempt is not None
                     break
                 except Exception as e:
-                    self._whole.add(t.name)
-                    if split is None:
+                    if attempt is None:
                         raise HlotoolError(
                             f"cannot lower {self.name} for {t.name}: {first_line(e)}"
                         ) from e
@@ -263,7 +261,7 @@ class CapturedFunction:
                 f"expected {_avals(self.in_avals)}"
             )
         return dataclasses.replace(
-            self, closed_jaxpr=closed_jaxpr, _lowered={}, _compiled={}, _whole=set()
+            self, closed_jaxpr=closed_jaxpr, _lowered={}, _compiled={}, _split={}
         )
 
     def _as_fun(self) -> Callable[..., Any]:

@@ -907,7 +907,7 @@ def _per_device(functions: Sequence[CapturedFunction], targets: Sequence[Target]
     holds the run's mesh): its memory figures are one device's."""
     notes = []
     for t in targets:
-        split = [f for f in functions if f.devices > 1 and f.split_on(t)]
+        split = [f for f in functions if f.split_on(t)]
         if split:
             notes.append(f"{t.name}: per device, " + ", ".join(
                 f"{printable(f.name)} split over {f.devices}" for f in split))

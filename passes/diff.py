@@ -347,15 +347,11 @@ class ModuleDiff:
     def instruction(self, side: str, node: str) -> Instruction:
         return (self._before_side if side == "before" else self._after_side).inst[node]
 
-    def partitions(self, side: str) -> int:
-        """The devices XLA split `side`'s program over (its num_partitions; 1 unsplit)."""
-        module = self.before if side == "before" else self.after
-        return int(module.attributes.get("num_partitions", "1") or 1)
-
     def score_sized(self, side: str, node: str, site: AttentionSite) -> bool:
         """Whether `node` is one of `site`'s L×L buffers (a device's share in a split
         program), as `inspect` counts them (`hlotool.passes.native.score_sized`)."""
-        return score_sized(self.instruction(side, node).shape, site, self.partitions(side))
+        module = self.before if side == "before" else self.after
+        return score_sized(self.instruction(side, node).shape, site, module.partitions)
 
     def fused(self, side: str, node: str) -> bool:
         """True when `node` lives in a fusion body or a reducer, not in a program-level

@@ -232,7 +232,7 @@ class _Program:
 
     def __init__(self, module: Module):
         self.module = module
-        self.partitions = int(module.attributes.get("num_partitions", "1") or 1)
+        self.partitions = module.partitions
         called_by = module.callers()
         levels = [c for c in module.computations.values()
                   if c.is_entry or (c.name in called_by and all(
@@ -308,9 +308,9 @@ class _Program:
         found: set[int] = set()
         for n in region:
             for o in self.operands[n]:
-                opcode = self.insts[o][1].opcode
                 if o not in unknown:
                     continue
+                opcode = self.insts[o][1].opcode
                 if opcode.endswith("-done"):
                     starts = [s for s in self.operands[o] if s in unknown
                               and self.insts[s][1].opcode in COLLECTIVES]

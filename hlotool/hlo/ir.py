@@ -317,6 +317,12 @@ class Module:
             comp.module = self
 
     @property
+    def partitions(self) -> int:
+        """The devices XLA's SPMD partitioner split this program over (the header's
+        `num_partitions`; 1 for a program not split)."""
+        return int(self.attributes.get("num_partitions", "1") or 1)
+
+    @property
     def entry(self) -> Computation:
         for comp in self.computations.values():
             if comp.is_entry:

@@ -74,12 +74,13 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
                        wrap={0: 12, 1: 7, 6: 11, 7: 11},
                        optional=(6, 5, 4), keep={0, 1, 7}, term=term)
     # No legend for a column the table left out.
-    legend = [text for columns, text in (
-        (HEADERS[2:4], "t: roofline time; c/m: compute- or memory-bound"),
+    skipping = any(map(_skips, entries))
+    legend = [text for columns, text, shown in (
+        (HEADERS[2:4], "t: roofline time; c/m: compute- or memory-bound", True),
         (HEADERS[3:4], "N%: the share of score tiles the kernel computes where the mask's "
-                       "band lets it skip the rest") if any(map(_skips, entries)) else ((), ""),
-        (HEADERS[6:7], "* XLA's number is known to be wrong there (--json says why)"))
-        if columns and not set(columns) <= set(fitted.left_out)]
+                       "band lets it skip the rest", skipping),
+        (HEADERS[6:7], "* XLA's number is known to be wrong there (--json says why)", True))
+        if shown and not set(columns) <= set(fitted.left_out)]
     header = (f"{len(sites)} attention site{'s' if len(sites) != 1 else ''} in {path}, "
               f"priced for {priced}. {'; '.join(legend)}")
     return "\n".join([term.wrap(header), fitted.text, *(
