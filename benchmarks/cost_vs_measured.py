@@ -125,7 +125,7 @@ def _header(a: argparse.Namespace, device: str, memory: str) -> str:
 CALIBRATE_ONCE = """
 from hlotool.cost.measure import measure_host
 hw = measure_host()
-print(hw.matmul_flops["float32"], hw.hbm_bandwidth)
+print(hw.matmul_flops["float32"], hw.softmax_rate, hw.hbm_bandwidth)
 """
 
 
@@ -134,17 +134,19 @@ def _calibrate(processes: int = 5) -> int:
     next one's by up to ±30%, so the cpu row holds the medians over processes."""
     import subprocess
 
-    flops, bandwidth = [], []
+    flops, softmax, bandwidth = [], [], []
     for i in range(processes):
         done = subprocess.run([sys.executable, "-c", CALIBRATE_ONCE], capture_output=True,
                               text=True, check=True)
-        f, b = map(float, done.stdout.split())
+        f, s, b = map(float, done.stdout.split())
         flops.append(f)
+        softmax.append(s)
         bandwidth.append(b)
-        print(f"process {i + 1}: matmul {f / 1e9:.1f} GFLOP/s, "
-              f"unfused attention {b / 1e9:.2f} GB/s", flush=True)
-    print(f"median: matmul {statistics.median(flops) / 1e9:.1f} GFLOP/s, "
-          f"unfused attention {statistics.median(bandwidth) / 1e9:.2f} GB/s")
+        print(f"process {i + 1}: matmul {f / 1e9:.1f} GFLOP/s, softmax {s / 1e9:.2f} G "
+              f"scores/s, unfused attention {b / 1e9:.2f} GB/s", flush=True)
+    print(f"median: matmul {statistics.median(flops) / 1e9:.1f} GFLOP/s, softmax "
+          f"{statistics.median(softmax) / 1e9:.2f} G scores/s, unfused attention "
+          f"{statistics.median(bandwidth) / 1e9:.2f} GB/s")
     return 0
 
 

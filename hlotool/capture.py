@@ -46,6 +46,10 @@ _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
 # `kernels.chunked._max_by_halves`), which would otherwise show up as the user's "<lambda>".
 _KERNELS_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec(
     "hlotool.kernels").origin)) + os.sep
+# Nor the cost model's probes (`hlotool.cost.xla.naive_program`, compiled for TPU when a
+# decision asks whether XLA:TPU fuses a site, which flash_jit does inside the user's script).
+_COST_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec(
+    "hlotool.cost").origin)) + os.sep
 
 class ScriptError(HlotoolError):
     """The user's script could not be run to completion."""
@@ -322,10 +326,11 @@ def _compile_hook(on_compile: Callable[[str], None] | None = None
 
 
 def _not_users(closed_jaxpr: ClosedJaxpr) -> bool:
-    """Whether the function lives inside jax itself (eager dispatch) or hlotool's kernels (a
-    probe): not the user's program."""
+    """Whether the function lives inside jax itself (eager dispatch) or is one of hlotool's
+    probes (kernels, cost model): not the user's program."""
     source = getattr(closed_jaxpr.jaxpr.debug_info, "func_src_info", None)
-    return bool(source) and _source_path(source).startswith((_JAX_DIR, _KERNELS_DIR))
+    return bool(source) and _source_path(source).startswith((_JAX_DIR, _KERNELS_DIR,
+                                                             _COST_DIR))
 
 
 def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:

@@ -9,11 +9,12 @@ GPU specs (`xla/tools/hlo_opt/gpu_specs/*.txtpb`) also record.
 
 `cpu` is this host, not a product: a 2-core AMD EPYC VM. Its figures were measured here, on
 an otherwise idle machine, with `benchmarks/cost_vs_measured.py --calibrate`, which runs
-`hlotool.cost.measure.measure_host` in 5 fresh processes (an XLA:CPU matmul of attention-block shape, and the
-bandwidth at which the model reproduces XLA:CPU's naive attention at L=4096, whose exp/reduce
-loops and page faults bound it well below DRAM speed): 130–135 GFLOP/s and 1.96–2.27 GB/s
-across the processes; the row holds the medians. They are what XLA achieves on this host, not
-the silicon's peak; another host should re-measure them.
+`hlotool.cost.measure.measure_host` in 5 fresh processes (an XLA:CPU matmul of attention-block
+shape, the softmax's exp and sums over a score tile, and the bandwidth at which the model
+reproduces XLA:CPU's naive attention at L=4096, whose exp/reduce loops and page faults bound it
+well below DRAM speed): 107–142 GFLOP/s, 1.35–1.61 G scores/s and 1.74–1.80 GB/s across the
+processes; the row holds the medians. They are what XLA achieves on this host, not the
+silicon's peak; another host should re-measure them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class Hardware:
     which chip it is for; a deviceless topology's devices report the same); None elsewhere.
     attention_block: TPUs, the largest query and key tile the TPU attention kernels (splash,
     flash) are given on this chip, where the length allows; None elsewhere.
+    softmax_rate: scores per second through a softmax's elementwise work (max, subtract, exp,
+    sum) where it runs after the matmuls instead of beside them: XLA:CPU's loops (measured,
+    `measure_host`). None on TPUs and GPUs, whose exp units work beside the matrix unit, so a
+    tiled kernel hides the softmax under its matmuls.
     """
 
     name: str
@@ -61,6 +66,7 @@ class Hardware:
     sources: tuple[str, ...]
     device_kind: str | None = None
     attention_block: int | None = None
+    softmax_rate: float | None = None
 
     def peak_flops(self, dtype: str) -> float:
         """Matmul FLOP/s for operands of `dtype` (float16 falls back to the bfloat16 figure)."""
@@ -106,10 +112,10 @@ HARDWARE: dict[str, Hardware] = {
     for h in (
         Hardware(
             "cpu", "this host: 2-core AMD EPYC VM, XLA:CPU (measured, see module docstring)",
-            "cpu", {"float32": 133e9, "bfloat16": 133e9}, 24 * 1024**3, 2.15e9,
+            "cpu", {"float32": 112e9, "bfloat16": 112e9}, 24 * 1024**3, 1.77e9,
             1 * _MIB, "L2 per core", 1, "cpu",
             ("measured: benchmarks/cost_vs_measured.py --calibrate (median of 5 processes, "
-             "jax 0.10.2)",),
+             "jax 0.10.2)",), softmax_rate=1.54e9,
         ),
         # tpu_info: v4 has 2 TensorCores in megacore; per chip 275 TF, 1.23 TB/s, 32 GiB.
         _tpu("tpu-v4", "TPU v4, one chip (megacore)", 2.75e14, 34_400_000_000, 1.23e12,

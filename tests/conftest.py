@@ -13,6 +13,22 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.pop("COLUMNS", None)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """`@pytest.mark.sweep(keep=N)` on a parametrized test: the README's suite runs its first N
+    cases (in collection order), which cover the behaviour it checks; the rest are marked
+    `slow` and run in CI's `-m slow` pass (`-m` reads the marks as this hook leaves them)."""
+    seen: dict[tuple[str, str], int] = {}
+    for item in items:
+        sweep = item.get_closest_marker("sweep")
+        if sweep is None or not hasattr(item, "callspec"):
+            continue
+        key = (item.nodeid.split("::")[0], item.originalname)
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > sweep.kwargs["keep"]:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def pallas_tpu_preferred():
     """Where tokamax is installed the registry prefers it on TPU; the suite's TPU expectations

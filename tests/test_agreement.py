@@ -51,6 +51,7 @@ def run_json(*args: str) -> dict:
 
 
 @pytest.mark.parametrize("script, script_args", CASES)
+@pytest.mark.sweep(keep=1)
 def test_rewrite_cost_and_plot_agree_per_site_and_target(script, script_args):
     path = str(ROOT / script)
     rewritten = run_json("rewrite", path, "--json", "--", *script_args)

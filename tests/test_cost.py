@@ -22,9 +22,10 @@ def site(length: int, *, heads: int = 8, dim: int = 64, dtype: str = "float32",
                          scale=dim ** -0.5, mask=mask, layout=layout)
 
 
-# A toy chip: 32 FLOP/s, 128 B/s, matrix width 1, the CPU kernel (chunked).
+# A toy chip: 32 FLOP/s, 128 B/s, matrix width 1, the CPU kernel (chunked), its softmax
+# hidden under the matmuls as on a TPU or GPU.
 TOY = dataclasses.replace(HARDWARE["cpu"], name="toy", matmul_flops={"float32": 32.0},
-                          hbm_bandwidth=128.0, matrix_width=1)
+                          hbm_bandwidth=128.0, matrix_width=1, softmax_rate=None)
 # B=1, L=4, H=1, D=2, f32: S = 16 scores; q, k, v, o 32 bytes each; scores 64 bytes.
 TINY = site(4, heads=1, dim=2)
 
@@ -48,6 +49,22 @@ def test_kernel_by_hand():
     assert f.temp_bytes == 4 * 4 * (2 + 1)  # f32 accumulator and lse per query row
     assert f.seconds == pytest.approx(128 / 32)  # matmul FLOPs / peak: compute-bound
     assert f.bound == "compute"
+
+
+def test_a_softmax_after_the_matmuls_adds_its_time_on_both_sides():
+    # The host's XLA loops run exp after the matmuls: 8 scores/s on the toy chip.
+    host = dataclasses.replace(TOY, softmax_rate=8.0)
+    native = analytic(TINY, host, "native")
+    # QKᵀ 2 s; softmax max(16 exps / 8, 128 B / 128) = 2 s (was 1 s); P·V 2 s.
+    assert native.seconds == pytest.approx(2 + 2 + 2)
+    kernel = analytic(TINY, host, "kernel")
+    assert kernel.seconds == pytest.approx(128 / 32 + 16 / 8)  # matmuls, then 16 exps
+    trained = analytic(TINY, host, "kernel", backward=True)
+    assert trained.transcendentals == 2 * 16  # the backward recomputes each exp
+    assert trained.seconds - analytic(TINY, TOY, "kernel", backward=True).seconds == (
+        pytest.approx(2 * 16 / 8))
+    assert HARDWARE["cpu"].softmax_rate and not any(
+        h.softmax_rate for h in HARDWARE.values() if h.platform != "cpu")
 
 
 def test_phases_add_up_to_naive_cost():

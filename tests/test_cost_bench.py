@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cost_vs_measured.py"
 NO_CUDA = "no CUDA device: jax.devices('gpu') is empty — run this on a GPU machine"
 
@@ -25,6 +27,7 @@ def test_cuda_without_gpu_is_one_line_and_status_2():
     assert done.stdout == ""
 
 
+@pytest.mark.slow
 def test_dry_run_measures_the_cuda_kernel_through_its_stand_in():
     done = run("--dry-run", "--lengths", "128", "--repeats", "1")
     assert done.returncode == 0, done.stderr

@@ -48,6 +48,7 @@ def test_wide_products_are_exact(c):
 
 
 @pytest.mark.parametrize("start", [(0, 0), (3, 17), (37, 88)])
+@pytest.mark.sweep(keep=1)
 def test_tiles_are_the_whole_draw_at_their_positions(start):
     shape, key = (2, 3, 45, 97), jax.random.key(11)
     mask = drawn_mask(shape, key)
@@ -78,6 +79,7 @@ def test_positions_beyond_32_bits_count_as_jax_counts_them():
 
 @pytest.mark.parametrize("lengths", [(83, 83), (40, 83)])
 @pytest.mark.parametrize("per_head", [True, False], ids=["per head", "one for all (flax)"])
+@pytest.mark.sweep(keep=1)
 def test_the_chunked_kernel_draws_what_it_would_read(lengths, per_head):
     """Blocks that do not divide the lengths, GQA (2 query heads per K/V head), causal, a
     mask per batch row and head or one broadcast over them: out, dq, dk, dv with the mask

@@ -50,6 +50,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.sweep(keep=1)
 def test_outputs_and_gradients_equal_the_reference_with_the_whole_mask(case):
     """Lengths that are not lane multiples (the kernel pads them), 4 query heads on 1 K/V
     head, top-left causal with more or fewer keys than queries, kv lengths (one batch row
@@ -69,6 +70,7 @@ def test_outputs_and_gradients_equal_the_reference_with_the_whole_mask(case):
     assert relative_error(plain, want) > 1e-2
 
 
+@pytest.mark.slow
 def test_a_mask_read_whole_gives_what_the_drawn_one_gives():
     """The dense multiplier (a mask that cannot be drawn) goes through the same kernels."""
     rng = np.random.default_rng(2)
@@ -90,6 +92,7 @@ def test_a_boolean_mask_after_the_softmax_is_a_multiplier_of_0_and_1():
     assert relative_error(got, want) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_finite_fill_with_a_row_that_sees_no_key_runs_in_chunked():
     """Under fill -1e9 a row whose keys are all hidden weighs every key equally, each times
     its dropout multiplier: the kernel (which gives such rows 0) hands the call to the chunked
@@ -140,6 +143,7 @@ def test_a_flax_train_step_with_dropout_exports_the_kernel_for_tpu():
         assert name in text
 
 
+@pytest.mark.slow
 def test_the_kernel_compiles_for_a_tpu_deviceless(monkeypatch):
     """libtpu compiles the Mosaic kernels (forward and backward) for v5e with bf16 inputs,
     lengths not a multiple of the tiles and a drawn mask."""

@@ -81,6 +81,7 @@ Q, K, V = (_normal(1, 2, 48, 8) for _ in range(3))
     pytest.param(lambda x: (x * 16).astype(jnp.int8).astype(jnp.float32) / 16, id="int8 fake quant"),
     pytest.param(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), id="bfloat16 round trip"),
 ])
+@pytest.mark.sweep(keep=3)
 def test_an_op_on_an_operand_is_kept_before_the_kernel(which, op):
     def fn(q, k, v):
         named = {"q": q, "k": k, "v": v}
@@ -99,6 +100,7 @@ def test_an_op_on_an_operand_is_kept_before_the_kernel(which, op):
     ("probs", lambda p: (p * 16).astype(jnp.int8).astype(jnp.float32) / 16,
      "a cast from float32 to int8"),
 ])
+@pytest.mark.sweep(keep=2)
 def test_an_op_inside_the_attention_that_changes_values_keeps_it_native(where, op, reason):
     def fn(q, k, v):
         return attention(q, k, v, **{where: op})
@@ -292,6 +294,7 @@ def test_a_window_bound_computed_in_the_program_is_read_as_its_values():
     (1000, 1000, "chunked"), (7, 129, "chunked"), (129, 1000, "chunked"), (1, 1000, "chunked"),
     (1000, 1000, "auto"),  # auto keeps the shorter ones native on the CPU
 ])
+@pytest.mark.sweep(keep=3)
 def test_repeated_kv_heads_have_exact_gradients_at_ragged_lengths(lq, lk, kernel):
     q, k, v = _normal(1, 2, lq, 8), _normal(1, 1, lk, 8), _normal(1, 1, lk, 8)
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hlotool.kernels import registry
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
@@ -27,6 +29,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
     assert done.stdout == ""
 
 
+@pytest.mark.slow
 def test_dry_run_times_native_and_every_cuda_kernel_and_compares_outputs():
     done = run("--dry-run", "--repeats", "1", "--target-length", "128")
     assert done.returncode == 0, done.stderr

@@ -66,6 +66,7 @@ def _inputs():
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
+@pytest.mark.sweep(keep=1)
 def test_hugging_face_flax_model_is_rewritten_with_outputs_and_gradients_equal(name):
     model = _models()[name]()
     ids, attention_mask = _inputs()

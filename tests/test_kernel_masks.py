@@ -193,6 +193,7 @@ def _value_and_grads(fn):
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
+@pytest.mark.sweep(keep=3)
 def test_each_band_is_rewritten_with_outputs_and_gradients_equal(name):
     fn, lq, lk, _, _ = PROGRAMS[name]
     args = _inputs(lq, lk)
@@ -231,6 +232,7 @@ WINDOWS = {"causal window": dict(causal=True, window=(40, 0)),
 
 
 @pytest.mark.parametrize("options", WINDOWS.values(), ids=WINDOWS.keys())
+@pytest.mark.sweep(keep=1)
 def test_splash_takes_windows_as_local_masks(options):
     opts = dict(options)
     lq, lk = opts.pop("lq", 136), opts.pop("lk", 200)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_bench.py"
 
 
@@ -23,6 +25,7 @@ def row(lines: list[str], length: int) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_floors_runs_the_kernels_causal_tiles_beside_its_forward():
     lines = run("--floors", "--mask", "causal", "--lengths", "1024", "--repeats", "1")
     assert "block-matmul rate" in lines[0] and "mask causal" in lines[0]
@@ -36,6 +39,7 @@ def test_floors_runs_the_kernels_causal_tiles_beside_its_forward():
     assert all(0 < float(c) < 10 for c in cells[5:])
 
 
+@pytest.mark.slow
 def test_rates_pairs_forward_and_backward_with_the_block_matmul():
     lines = run("--rates", "--mask", "causal", "--lengths", "1024", "--repeats", "1")
     assert lines[1].split() == ["L", "block", "mm", "fwd", "fwd/mm", "bwd", "bwd/mm"]

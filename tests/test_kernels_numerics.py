@@ -138,6 +138,7 @@ def _check(kernel, case: Case, tol: float | None = None):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.sweep(keep=3)
 def test_chunked_small_blocks(case):
     """Blocks of 32×16 so every case spans several query and key blocks."""
     _check(Chunked(block_q=32, block_k=16), case)
@@ -153,6 +154,7 @@ def test_chunked_default_blocks(case):
     Case("logits_in_the_hundreds", lq=96, lk=160, causal=True, scale=10.0),
     Case("logits_in_the_hundreds_200_keys", lq=200, lk=200, scale=10.0), CASES[7]],
     ids=lambda c: c.name)
+@pytest.mark.sweep(keep=2)
 def test_chunked_row_max_either_way(monkeypatch, case, by_halves):
     """The forward's row max is taken by elementwise maxima of halves where XLA:CPU's own is
     slow (jaxlib 0.9), else by jnp.max. Softmax does not depend on the shift, so only logits
@@ -185,6 +187,7 @@ EDGE_CASES = [
 
 @pytest.mark.parametrize("blocks", [(16, 8), (8, 16)])
 @pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: c.name)
+@pytest.mark.sweep(keep=3)
 def test_chunked_band_edges_with_small_blocks(case, blocks):
     """Several tiles on each edge of the band (block_q above and below block_k, lengths no
     block multiple), GQA (G = 2), and finite fills whose skipped keys enter in closed form:
@@ -193,6 +196,7 @@ def test_chunked_band_edges_with_small_blocks(case, blocks):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.sweep(keep=3)
 def test_pallas_tpu_interpret(case):
     with pltpu.force_tpu_interpret_mode(True):
         _check(PallasTpuFlash(), case)
@@ -202,6 +206,7 @@ GPU_CASES = [c for c in CASES if c.bias is None and not c.mask and c.kv_lengths 
 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+@pytest.mark.sweep(keep=2)
 def test_pallas_gpu_interpret(case):
     kernel = PallasGpuFlash(interpret=True)
     if kernel.unavailable_reason:
@@ -232,6 +237,7 @@ CUDNN_REFUSED = {
 
 
 @pytest.mark.parametrize("case", CUDNN_CASES, ids=lambda c: c.name)
+@pytest.mark.sweep(keep=3)
 def test_cudnn_mapping_through_xla(case):
     """The cudnn adapter's jax.nn call, run by XLA's implementation of it (jax keeps the
     two equal): causal, lengths, window and fill reach jax.nn as the reference means them."""

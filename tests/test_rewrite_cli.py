@@ -10,7 +10,9 @@ from click.testing import CliRunner
 
 from hlotool import kernels
 from hlotool.cli import cli
+from hlotool.cost.model import analytic
 from hlotool.errors import MANIFEST
+from hlotool.site import AttentionSite
 
 SCRIPT = """\
 import sys
@@ -55,7 +57,13 @@ def test_rewrite_prints_each_site_decision(tmp_path):
     gpu = "pallas_gpu" if kernels.registered("pallas_gpu").unavailable_reason is None else "chunked"
     assert [line.split(" — ")[0] for line in lines[2:5]] == [
         "      cpu: chunked", "      tpu (tpu-v5e): splash_tpu", f"      cuda (h100): {gpu}"]
-    assert lines[2].endswith(" — kernel pays (×33.0 less HBM traffic, roofline ×15.9 faster)")
+    # The figures are the cpu row's model of this site ([1, 512, 1, 16] f32, scale 1/4).
+    site = AttentionSite(batch=1, q_len=512, kv_len=512, num_q_heads=1, num_kv_heads=1,
+                         head_dim=16, v_head_dim=16, dtype="float32", scale=0.25)
+    native, kernel = (analytic(site, "cpu", side) for side in ("native", "kernel"))
+    assert lines[2].endswith(
+        f" — kernel pays (×{native.hbm_bytes / kernel.hbm_bytes:.1f} less HBM traffic, "
+        f"roofline ×{native.seconds / kernel.seconds:.1f} faster)")
     assert lines[5] == "probs_too: 1 site, 0 rewritten"
     assert lines[7].startswith("      cpu, tpu, cuda: native — intermediate values of the "
                                "attention (f32[512,512]) are used outside it")

@@ -146,6 +146,7 @@ class FoldedHeadsRelPos(nnx.Module):
         return out.reshape(b, H, gh, gw, D).transpose(0, 2, 3, 1, 4).reshape(b, gh, gw, E)
 
 
+@pytest.mark.slow
 def test_heads_folded_into_the_batch_with_a_bias_from_q():
     """The bias reads q where the heads are folded, so the site starts there: a site of B·H
     rows and one head (#38), forward, gradient and train step equal."""
@@ -191,6 +192,7 @@ def test_equinox_under_vmap():
 
 
 @pytest.mark.parametrize("hkv, causal", [(H, True), (1, False)])
+@pytest.mark.sweep(keep=1)
 def test_jax_nn_dot_product_attention(hkv, causal):
     rng = np.random.default_rng(6)
     q = jnp.asarray(rng.standard_normal((B, L, H, D)), jnp.float32)

@@ -115,6 +115,7 @@ def decoder_loss():
 
 @pytest.mark.parametrize("axis_type,check_vma", [("Auto", True), ("Explicit", True),
                                                  ("Auto", False)])
+@pytest.mark.sweep(keep=1)
 def test_a_data_parallel_train_step_rewrites_each_site_in_the_shard_map_body(axis_type,
                                                                                check_vma):
     from test_rewrite_models import relative_error, tpu_custom_calls

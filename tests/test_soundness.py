@@ -223,6 +223,7 @@ def _conventions():
 
 @pytest.mark.parametrize("name, operand, fn", _conventions(), ids=lambda x: x if isinstance(
     x, str) else "")
+@pytest.mark.sweep(keep=4)
 def test_rows_with_no_visible_key_equal_the_naive_program(name, operand, fn):
     """finfo.min and -1e9 give such a row the mean of v (every logit equal), forward and every
     gradient; -inf gives NaN in the naive program, and the rewrite returns that NaN too (its
@@ -260,6 +261,7 @@ def test_padded_row_gradient_beside_a_finfo_min_bias():
 
 @pytest.mark.parametrize("fill", [-math.inf, -1e4, -3.0])
 @pytest.mark.parametrize("blocks", [(16, 16), (32, 8)])
+@pytest.mark.sweep(keep=2)
 def test_chunked_skips_causal_blocks_and_stays_exact_with_a_finite_fill(fill, blocks):
     q, k, v = arr(1, 96, 2, 8), arr(1, 96, 2, 8), arr(1, 96, 2, 8)
     kw = dict(scale=0.5, causal=True, fill=fill)
@@ -278,6 +280,7 @@ def test_chunked_skips_causal_blocks_and_stays_exact_with_a_finite_fill(fill, bl
 
 @pytest.mark.parametrize("window", [(None, 0), (20, 0), (7, 0), (30, 9), (None, 40), (3, 3)])
 @pytest.mark.parametrize("fill", [-math.inf, -3.0])
+@pytest.mark.sweep(keep=2)
 def test_chunked_applies_the_band_on_edge_tiles_only_and_stays_exact(window, fill):
     """Tiles wholly inside the band skip its mask; lengths that are no block multiple, bands
     narrower and wider than a block, and GQA, against the reference."""
@@ -388,6 +391,7 @@ def test_validate_passes_a_kernel_that_is_finite_where_native_is_not():
     np.testing.assert_array_equal(np.isnan(out), np.isnan(jax.jit(masked)(*args)))
 
 
+@pytest.mark.slow
 def test_validate_fails_one_site_for_one_signature_only(monkeypatch):
     from hlotool.passes import lower
 

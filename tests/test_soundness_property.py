@@ -308,6 +308,7 @@ FOUND_GROWN = [
 
 
 @pytest.mark.parametrize("program, outcome", FOUND_GROWN)
+@pytest.mark.sweep(keep=4)
 def test_programs_the_grown_grammar_found(program, outcome):
     got, detail = soundness_programs.check(
         program, compiler_options=soundness_programs.FAST_COMPILE)

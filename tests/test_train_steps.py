@@ -52,6 +52,7 @@ def check_step(step, args, sites: int, tol: float = 1e-5, **jit_kwargs) -> None:
 
 
 @pytest.mark.parametrize("has_aux", [False, True])
+@pytest.mark.sweep(keep=1)
 def test_flax_linen(has_aux):
     model = LinenLayers()
     params = model.init(jax.random.key(0), X)
@@ -99,6 +100,7 @@ def projected_attention(w, x, heads_kv=H):
 
 
 @pytest.mark.parametrize("heads_kv", [H, 1])
+@pytest.mark.sweep(keep=1)
 def test_jax_nn_dot_product_attention(heads_kv):
     step = value_and_grad_step(lambda w, x: projected_attention(w, x, heads_kv))
     check_step(step, (qkv_weights(heads_kv), X), sites=1)
@@ -242,6 +244,7 @@ def test_attention_sinks_get_their_gradient_through_the_kernel():
     assert np.abs(np.asarray(grads["sinks"])).min() > 0  # every head's sink is learned
 
 
+@pytest.mark.slow
 def test_keras_attention_dropout_in_training():
     """Keras' dropout on the probabilities (`where(keep, p / keep_prob, 0)`, its keep mask
     drawn from the seed generator's state): dropout, and 1 / keep_prob a factor the kernel's
@@ -343,6 +346,7 @@ def recompute_calls(jaxpr) -> int:
 
 
 @pytest.mark.parametrize("name", CHECKPOINTED)
+@pytest.mark.sweep(keep=2)
 def test_checkpointed_attention_recomputes_in_the_kernel(name):
     """The body jax.checkpoint writes rebuilds the scores and probabilities for the backward
     ([B, H, L, L] again) and never computes the output: it is replaced by the kernel's
@@ -498,6 +502,7 @@ def test_scan_over_checkpointed_layers_is_read_at_any_length():
 
 @pytest.mark.parametrize("dropout, sinks", [(False, False), (True, False), (False, True)],
                          ids=["plain", "dropout", "sinks"])
+@pytest.mark.sweep(keep=1)
 def test_scan_over_layers_without_checkpoint_recomputes_in_the_backward_loop(dropout, sinks):
     """Without jax.checkpoint the forward loop saves the probabilities ([n, B, H, L, L]) for
     the backward loop, and with dropout its multiplier too. The rewrite saves q, k, v

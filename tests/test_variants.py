@@ -148,6 +148,7 @@ def _value_and_grads(fn):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model, softcap, post_mask, sinks, kind", MODELS, ids=IDS)
+@pytest.mark.sweep(keep=2)
 def test_each_variant_is_rewritten_with_outputs_and_gradients_equal(
         model, softcap, post_mask, sinks, kind, dtype):
     """Against the same program in float32 (on the same rounded inputs): the rewrite is within
@@ -292,6 +293,7 @@ def test_keras_masked_softmax_exports_to_splash_its_repeated_mask_left_out():
 
 
 @pytest.mark.parametrize("fill, empty_row", [(-1e9, False), (-1e9, True), (-1.0, False)])
+@pytest.mark.sweep(keep=1)
 def test_a_repeated_post_softmax_mask_is_left_out_only_where_that_is_exact(fill, empty_row):
     """Left out where every row sees a key and keys at the fill weigh nothing; a row with no
     visible key (the program gives it zeros) or a soft fill (hidden keys still weigh in the
@@ -334,6 +336,7 @@ SPLASH_CALLS = {
 
 
 @pytest.mark.parametrize("options", SPLASH_CALLS.values(), ids=SPLASH_CALLS.keys())
+@pytest.mark.sweep(keep=1)
 def test_splash_matches_the_reference_with_gqa_and_unaligned_lengths(options):
     rng = np.random.default_rng(1)
     lq, lk = 136, 200  # padded to 256 inside the adapter

@@ -168,9 +168,12 @@ if __name__ == "__main__":
 
 
 def measure_host(repeats: int = 9, length: int = 4096) -> Hardware:
-    """The `cpu` entry with its matmul rate and unfused-attention bandwidth measured on this host.
+    """The `cpu` entry with its matmul rate, softmax rate and unfused-attention bandwidth
+    measured on this host.
 
     Matmul: a [8, 1024, 64] x [8, 64, 512] f32 batched dot (one attention tile per head).
+    Softmax: exp(s - max(s)) and its row sums over a [8, 512, 256] f32 score tile (the chunked
+    kernel's tile, 8 heads), in scores per second.
     Bandwidth: on XLA:CPU the unfused softmax passes are bound by their exp/reduce loops and
     by page-faulting their freshly allocated L×L buffers, not by DRAM (a donated `x + 1` on a
     held 1 GiB buffer moved 48 GB/s here), so the figure the roofline needs is the rate at which
@@ -199,9 +202,17 @@ def measure_host(repeats: int = 9, length: int = 4096) -> Hardware:
     a, b = jnp.ones((8, 1024, 64), jnp.float32), jnp.ones((8, 512, 64), jnp.float32)
     dot = jax.jit(lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b))
     flops = 2 * 8 * 1024 * 512 * 64 / median_seconds(dot, a, b)
+    tile = jnp.linspace(-4.0, 4.0, 8 * 512 * 256, dtype=jnp.float32).reshape(8, 512, 256)
+
+    def softmax_pass(s):
+        p = jnp.exp(s - s.max(-1, keepdims=True))
+        return p, p.sum(-1)
+
+    jitted = jax.jit(softmax_pass)
+    softmax = tile.size / median_seconds(lambda s: jitted(s)[0], tile)
     host = dataclasses.replace(get_hardware("cpu"), matmul_flops={"float32": flops,
                                                                    "bfloat16": flops},
-                               sources=("measure_host() just now",))
+                               softmax_rate=softmax, sources=("measure_host() just now",))
 
     site = AttentionSite(batch=1, q_len=length, kv_len=length, num_q_heads=4, num_kv_heads=4,
                          head_dim=64, v_head_dim=64, dtype="float32", scale=0.125)

@@ -10,8 +10,11 @@ Roofline. An unfused program runs op after op, each bounded by its own compute o
 time, so native time is a sum over phases (QKᵀ, softmax, P·V; and for the backward dP, dS, the
 three gradient matmuls) of max(matmul FLOPs / peak, bytes / bandwidth). The kernel is one
 fused op: max(FLOPs / peak, bytes / bandwidth). Elementwise work (max, exp, sum, divide) is
-counted in `flops` but assumed hidden under memory traffic; matmuls with head dim below the
-chip's matrix width run at D / width of peak, on both sides.
+counted in `flops` and hidden under the matmuls or memory traffic where the chip has exp units
+beside its matrix unit (TPU, GPU); on the CPU, whose XLA loops run it after the matmuls, each
+exp costs 1 / `Hardware.softmax_rate` on top (native's softmax phase, every score a kernel
+visits, twice in its backward). Matmuls with head dim below the chip's matrix width run at
+D / width of peak, on both sides.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Phase:
     name: str
     matmul_flops: int
     hbm_bytes: int
+    softmax_scores: int = 0  # scores whose exp this op computes
 
 
 def _shape_terms(site: AttentionSite) -> tuple[int, int, int, int, int]:
@@ -96,7 +100,7 @@ def native_phases(site: AttentionSite, *, backward: bool = False) -> list[Phase]
     d, dv = site.head_dim, site.v_head_dim
     phases = [
         Phase("QKᵀ", 2 * scores * d, q + k + sb),
-        Phase("softmax", 0, 2 * sb + mask_operand_bytes(site)),
+        Phase("softmax", 0, 2 * sb + mask_operand_bytes(site), scores),
         Phase("P·V", 2 * scores * dv, sb + v + o),
     ]
     if backward:
@@ -126,6 +130,12 @@ def kernel_for(site: AttentionSite, hardware: Hardware) -> AttentionKernel:
         raise KernelError(f"no flash kernel takes this site on {hardware.name}: "
                           + "; ".join(map(str, refusals)))
     return kernel
+
+
+def _softmax_seconds(scores: int, hardware: Hardware) -> float:
+    """The softmax's elementwise time where the chip runs it after its matmuls (the CPU);
+    0 where it overlaps them (`Hardware.softmax_rate` None)."""
+    return scores / hardware.softmax_rate if hardware.softmax_rate else 0.0
 
 
 def _matmul_rate(site: AttentionSite, hardware: Hardware) -> float:
@@ -165,7 +175,8 @@ def analytic(
         phases = native_phases(site, backward=backward)
         seconds, compute_time = 0.0, 0.0
         for ph in phases:
-            c, m = ph.matmul_flops / rate, ph.hbm_bytes / hw.hbm_bandwidth
+            c = ph.matmul_flops / rate + _softmax_seconds(ph.softmax_scores, hw)
+            m = ph.hbm_bytes / hw.hbm_bandwidth
             seconds += max(c, m)
             compute_time += c if c >= m else 0.0
         bound = "compute" if compute_time > seconds / 2 else "memory"
@@ -175,7 +186,8 @@ def analytic(
         kernel = kernel or kernel_for(site, hw)
         cost: KernelCost = kernel.cost(site, backward=backward, hardware=hw)
         mm = _kernel_matmul_flops(site, cost, backward)
-        c, m = mm / rate, cost.hbm_bytes / hw.hbm_bandwidth
+        c = mm / rate + _softmax_seconds(cost.transcendentals, hw)
+        m = cost.hbm_bytes / hw.hbm_bandwidth
         return Figures(cost.flops, cost.transcendentals, cost.hbm_bytes,
                        kernel_temp_bytes(site, backward=backward), cost.onchip_bytes,
                        max(c, m), "compute" if c >= m else "memory", cost.score_blocks)
