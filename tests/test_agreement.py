@@ -29,7 +29,9 @@ from hlotool.site import AttentionSite
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TARGETS = ("cpu", "tpu-v5e", "h100")
 
+# The nnx causal & padding model first: the README's suite runs it, CI all five (`sweep`).
 CASES = [
+    pytest.param("tests/models/nnx_causal_lm.py", ("1024",), id="nnx causal & padding L=1024"),
     pytest.param("examples/causal_decoder.py", ("--seq-len", "1024", "--d-model", "32",
                                                 "--layers", "1", "--steps", "1"),
                  id="causal_decoder L=1024 (train step and forward)"),
@@ -40,7 +42,6 @@ CASES = [
                  id="padded_encoder L=1024"),
     pytest.param("examples/flax_model.py", ("--seq-len", "1024", "--layers", "1"),
                  id="flax_model L=1024"),
-    pytest.param("tests/models/nnx_causal_lm.py", ("1024",), id="nnx causal & padding L=1024"),
 ]
 
 

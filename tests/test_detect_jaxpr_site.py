@@ -71,6 +71,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("fn, args", CASES, ids=[fn.__name__ for fn, _ in CASES])
+@pytest.mark.sweep(keep=6)
 def test_record_recomputes_the_output(fn, args):
     closed = jax.make_jaxpr(fn)(*args)
     (site,) = detect_jaxpr(closed, fn.__name__)

@@ -116,6 +116,7 @@ def test_an_or_of_half_planes_is_no_window():
 
 @pytest.mark.parametrize("form", ["where", "finfo.min bias"])
 @pytest.mark.parametrize("constant", ["iota < length", "numpy array"])
+@pytest.mark.sweep(keep=2)
 def test_a_key_mask_broadcast_over_the_queries_is_no_band(constant, form):
     """`arange(Lk) < n` (or its values, closed over) as [1, 1, 1, Lk]: one row that every
     query shares. Read as a band of that single row, it once became window (∞, n - 1), so

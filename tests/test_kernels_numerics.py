@@ -138,7 +138,7 @@ def _check(kernel, case: Case, tol: float | None = None):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.sweep(keep=3)
+@pytest.mark.sweep(keep=2)
 def test_chunked_small_blocks(case):
     """Blocks of 32×16 so every case spans several query and key blocks."""
     _check(Chunked(block_q=32, block_k=16), case)
@@ -196,7 +196,7 @@ def test_chunked_band_edges_with_small_blocks(case, blocks):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.sweep(keep=3)
+@pytest.mark.sweep(keep=2)
 def test_pallas_tpu_interpret(case):
     with pltpu.force_tpu_interpret_mode(True):
         _check(PallasTpuFlash(), case)
@@ -237,7 +237,7 @@ CUDNN_REFUSED = {
 
 
 @pytest.mark.parametrize("case", CUDNN_CASES, ids=lambda c: c.name)
-@pytest.mark.sweep(keep=3)
+@pytest.mark.sweep(keep=2)
 def test_cudnn_mapping_through_xla(case):
     """The cudnn adapter's jax.nn call, run by XLA's implementation of it (jax keeps the
     two equal): causal, lengths, window and fill reach jax.nn as the reference means them."""

@@ -90,6 +90,7 @@ def test_the_factors_of_a_keras_hub_mask(sliding):
 
 
 @pytest.mark.parametrize("sliding", [False, True], ids=["causal & padding", "window & padding"])
+@pytest.mark.sweep(keep=1)
 def test_a_keras_hub_mask_rewrites_with_outputs_and_gradients_equal(sliding):
     args = _args(256, jnp.float32)
 

@@ -116,6 +116,7 @@ def remaining_sites(fn, *args) -> int:
 
 
 @pytest.mark.parametrize("fn, args", CASES, ids=IDS)
+@pytest.mark.sweep(keep=5)
 def test_outputs_equal_and_no_naive_site_left(fn, args):
     fast = hlotool.flash_jit(fn)
     assert relative_error(fast(*args), jax.jit(fn)(*args)) < 1e-5

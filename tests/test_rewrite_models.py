@@ -244,6 +244,7 @@ def test_example_flax_model():
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+@pytest.mark.sweep(keep=1)
 def test_example_padded_encoder(dtype, tol):
     m = load_example("padded_encoder")
     params = m.init_params(jax.random.key(0), 16, 2, jnp.dtype(dtype))

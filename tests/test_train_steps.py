@@ -346,7 +346,7 @@ def recompute_calls(jaxpr) -> int:
 
 
 @pytest.mark.parametrize("name", CHECKPOINTED)
-@pytest.mark.sweep(keep=2)
+@pytest.mark.sweep(keep=1)
 def test_checkpointed_attention_recomputes_in_the_kernel(name):
     """The body jax.checkpoint writes rebuilds the scores and probabilities for the backward
     ([B, H, L, L] again) and never computes the output: it is replaced by the kernel's
@@ -474,6 +474,7 @@ def scanned_layers(remat: bool, dropout: bool = False, sinks: bool = False):
 
 
 @pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.sweep(keep=1)
 def test_scan_over_checkpointed_layers_rewrites_both_loops(sinks):
     """The forward loop's site, and the backward loop's checkpointed body, which recomputes
     the layer (output included) beside its derivative: both in kernels."""

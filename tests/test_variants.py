@@ -363,6 +363,7 @@ def test_splash_matches_the_reference_with_gqa_and_unaligned_lengths(options):
 
 
 @pytest.mark.parametrize("d", [80, 192])
+@pytest.mark.sweep(keep=1)
 def test_splash_compiles_deviceless_for_tpu_at_head_dims_flash_would_pad(d):
     """Splash takes the head dim as it is (flash pads 80 to 128 and 192 to 256)."""
     from hlotool.targets import get_target
