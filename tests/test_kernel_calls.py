@@ -178,6 +178,9 @@ TOKAMAX_PAYLOAD = json.dumps({
 })
 
 
+@pytest.mark.skipif(jax.__version_info__ < (0, 10),
+                    reason="jax 0.9 lowers set_xla_metadata into frontend attributes, "
+                           "lowercased; tokamax itself needs jax >= 0.11.1")
 def test_a_tokamax_op_is_one_call_named_by_its_payload():
     from jax.experimental.xla_metadata import set_xla_metadata
 
