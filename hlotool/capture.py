@@ -42,14 +42,13 @@ STAGES: tuple[str, ...] = ("jaxpr", "stablehlo", "hlo", "optimized")
 # Functions whose source lives inside jax itself are eager dispatch (`jnp.ones(...)`,
 # `x + 1` outside jit), not the user's programs.
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
-# Nor are the kernels' own probes (a compile asked of XLA the first time a kernel is traced,
-# `kernels.chunked._max_by_halves`), which would otherwise show up as the user's "<lambda>".
-_KERNELS_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec(
-    "hlotool.kernels").origin)) + os.sep
-# Nor the cost model's probes (`hlotool.cost.xla.naive_program`, compiled for TPU when a
-# decision asks whether XLA:TPU fuses a site, which flash_jit does inside the user's script).
-_COST_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec(
-    "hlotool.cost").origin)) + os.sep
+# Nor are hlotool's own probes, which flash_jit compiles inside the user's script and would
+# otherwise show up as the user's functions: the kernels' (a compile asked of XLA the first
+# time a kernel is traced, `kernels.chunked._max_by_halves`, a "<lambda>") and the cost
+# model's (`hlotool.cost.xla.naive_program`, compiled for TPU when a decision asks whether
+# XLA:TPU fuses a site, an "attend").
+_PROBE_DIRS = tuple(os.path.dirname(os.path.abspath(importlib.util.find_spec(package).origin))
+                    + os.sep for package in ("hlotool.kernels", "hlotool.cost"))
 
 class ScriptError(HlotoolError):
     """The user's script could not be run to completion."""
@@ -329,8 +328,7 @@ def _not_users(closed_jaxpr: ClosedJaxpr) -> bool:
     """Whether the function lives inside jax itself (eager dispatch) or is one of hlotool's
     probes (kernels, cost model): not the user's program."""
     source = getattr(closed_jaxpr.jaxpr.debug_info, "func_src_info", None)
-    return bool(source) and _source_path(source).startswith((_JAX_DIR, _KERNELS_DIR,
-                                                             _COST_DIR))
+    return bool(source) and _source_path(source).startswith((_JAX_DIR, *_PROBE_DIRS))
 
 
 def _to_captured(records: Sequence[_Record]) -> list[CapturedFunction]:
