@@ -31,12 +31,15 @@ BAD = ("wrong", "crashed")
 # rewritten function), under jax.checkpoint, or as the body of a scan over layers.
 MODES = {"forward": {}, "train": {"train": True},
          "checkpoint": {"train": True, "checkpoint": True},
-         "layers": {"train": True, "layers": True}}
+         "layers": {"train": True, "layers": True}, "ring": {"ring": True}}
 
 
 def _work(job: tuple[int, int, bool, str]) -> list[tuple[list[str], str, str, str]]:
     seed, count, fast, mode = job
     warnings.simplefilter("ignore")
+    if mode == "ring":  # before jax starts its CPU backend
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=3")
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hypothesis_seed
 
@@ -51,6 +54,8 @@ def _work(job: tuple[int, int, bool, str]) -> list[tuple[list[str], str, str, st
               suppress_health_check=list(HealthCheck))
     @given(soundness_programs.programs())
     def run(program):
+        if mode == "ring":
+            program = soundness_programs.on_a_ring(program)
         try:
             outcome, detail = soundness_programs.check(
                 program, compiler_options=soundness_programs.FAST_COMPILE if fast else None,
@@ -75,7 +80,9 @@ def main() -> int:
                         "(about twice as fast)")
     parser.add_argument("--mode", choices=sorted(MODES), default="forward",
                         help="rewrite each program as it is (forward) or as a train step: "
-                        "plain, under jax.checkpoint, or as a scan over layers")
+                        "plain, under jax.checkpoint, or as a scan over layers; ring: at "
+                        "L = 48 with kernel calls split over 3 host devices, the sequence as "
+                        "ring attention")
     args = parser.parse_args()
 
     tasks, left, seed = [], args.examples, args.seed

@@ -18,6 +18,7 @@ import jax
 
 from hlotool import jaxcompat, kernels
 from hlotool.flash import Rewritten, for_analysis, name_of, plan_program, trace
+from hlotool.kernels.sharded import mesh_of
 from hlotool.site_report import Report
 from hlotool.validate import Validated
 
@@ -27,8 +28,9 @@ def explain(fn: Callable, *args: Any, kernel: str = "auto", **kwargs: Any) -> Re
     stays native. Array leaves of the arguments are traced; everything else is static."""
     if kernel != "auto":
         kernels.get(kernel)
-    closed, _, _ = trace(fn, args, kwargs)
-    return plan_program(for_analysis(closed, fn, args, kwargs), name_of(fn), kernel).report
+    closed, dyn, _ = trace(fn, args, kwargs)
+    return plan_program(for_analysis(closed, fn, args, kwargs), name_of(fn), kernel,
+                        mesh=mesh_of(dyn)).report
 
 
 def flash_jit(fn: Callable, *, kernel: str = "auto", validate: bool = False,
@@ -55,7 +57,11 @@ def rewrite_captured(function: Any, kernel: str = "auto") -> tuple[Report, Any]:
     """A function `hlotool.capture` recorded, rewritten: its report, and a copy of the
     `CapturedFunction` whose program (every stage: jaxpr, StableHLO, HLO, optimized) is the
     rewritten one."""
-    rewritten = Rewritten(jaxcompat.jaxpr_as_fun(function.closed_jaxpr), kernel)
+    # A program the run split over devices: kernel calls split over the same mesh, abstract
+    # so that each target's lowering lays it onto its own devices.
+    mesh = mesh_of((), function.shardings[0]) if function.shardings else None
+    rewritten = Rewritten(jaxcompat.jaxpr_as_fun(function.closed_jaxpr), kernel,
+                          mesh=None if mesh is None else mesh.abstract_mesh)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
             for a in function.in_avals]
     closed = jax.make_jaxpr(rewritten)(*args)

@@ -26,7 +26,7 @@ from hlotool import jaxcompat, kernels
 from hlotool.cost.decision import Choice, choose
 from hlotool.errors import HlotoolError, first_line
 from hlotool.kernels.registry import PLATFORMS
-from hlotool.kernels.sharded import mesh_of
+from hlotool.kernels.sharded import mesh_of, split_note
 from hlotool.passes.from_jaxpr import JaxprSite, describe_path, detect_jaxpr, jaxpr_at
 from hlotool.passes.replacement import (
     Lowered, drawing_note, lower_site, repeat_note, replacement,
@@ -135,7 +135,8 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
                 replacements.append((site, prepare(jaxpr, site, replacement(
                     jaxpr, site, form, plan, on, index), cache)))
                 notes = tuple(filter(None, (form.note, repeat_note(form.kernel),
-                                            drawing_note(form.kernel, plan))))
+                                            drawing_note(form.kernel, plan),
+                                            split_note(on, site.site))))
                 if recomputed_here(jaxpr, site):
                     notes += ("recomputed in the backward loop from its inputs, which the "
                               "forward loop saves in place of its probabilities",)
@@ -210,16 +211,18 @@ class Rewritten:
     """`fn` with its attention sites substituted at trace time; what `flash_jit` jits.
 
     `disabled(args, kwargs)` names the sites to keep native for a call's signature (site key
-    → reason): validation's verdicts.
+    → reason): validation's verdicts. `mesh`: the mesh kernel calls are split over, where
+    the arguments do not carry it (a captured program's abstract mesh, lowered later for a
+    host or a pod slice).
     """
 
     def __init__(self, fn: Callable, kernel: str, in_shardings: Any = None,
                  disabled: Callable[[Sequence[Any], Mapping[str, Any]], Mapping[tuple, str]]
-                 | None = None):
+                 | None = None, mesh: Any = None):
         if kernel != "auto":
             kernels.get(kernel)  # an unknown name fails here, in one line
         self.fn, self.kernel, self.in_shardings = fn, kernel, in_shardings
-        self.disabled = disabled
+        self.disabled, self.mesh = disabled, mesh
         self.report: Report | None = None
         functools.update_wrapper(self, fn)
 
@@ -228,7 +231,8 @@ class Rewritten:
         off = self.disabled(args, kwargs) if self.disabled is not None else None
         try:
             plan = plan_program(for_analysis(closed, self.fn, args, kwargs), name_of(self.fn),
-                                self.kernel, off, mesh_of(dyn, self.in_shardings))
+                                self.kernel, off,
+                                self.mesh or mesh_of(dyn, self.in_shardings))
             self.report = plan.report
             rewritten = plan.apply() if plan.replacements else closed
             outs = jaxcompat.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *dyn)

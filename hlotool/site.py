@@ -91,6 +91,10 @@ class AttentionSite:
     window: tuple[int | None, int | None] | None = None
     # A factor q_ids[b, i] == kv_ids[b, j] of the mask (packed sequences), read as segment ids.
     segments: bool = False
+    # A boolean factor of the mask varying along batch and queries only ([B, 1, Lq, 1]: query
+    # padding, as flax's `make_attention_mask(pad, pad)` ANDs beside the key padding), kept
+    # apart from the operand `mask` and `mask_axes` describe.
+    query_padding: bool = False
     # The program's own operand shapes and the layout they map from ("BLHD", "BHLD", "LHD", ...).
     q_shape: tuple[int, ...] = ()
     k_shape: tuple[int, ...] = ()
@@ -145,16 +149,19 @@ class AttentionSite:
 
     @property
     def mask_factors(self) -> tuple[str, ...]:
-        """The mask as the AND of factors reports name: "causal", then the operand as "key
-        padding" ([B, 1, 1, Lk]: varies along batch and keys only), "query padding", or its
-        kind; the window and segment ids are among `variants`."""
+        """The mask as the AND of factors reports name: "causal", "query padding", then the
+        operand as "key padding" ([B, 1, 1, Lk]: varies along batch and keys only), "query
+        padding", or its kind; the window and segment ids are among `variants`."""
         out = ["causal"] if self.causal else []
+        if self.query_padding:
+            out.append("query padding")
         if self.mask in ("boolean", "additive"):
             along = set(self.mask_axes or "")
             if self.mask == "boolean" and "K" in along and along <= {"B", "K"}:
                 out.append("key padding")
             elif self.mask == "boolean" and "Q" in along and along <= {"B", "Q"}:
-                out.append("query padding")
+                if not self.query_padding:
+                    out.append("query padding")
             else:
                 out.append(self.mask)
         return tuple(out)

@@ -3,8 +3,8 @@
 A kernel is called as
 
     kernel(q, k, v, *, scale, bias=None, mask=None, causal=False, window=None,
-           kv_lengths=None, segment_ids=None, fill=-inf, softcap=None, post_mask=None,
-           sinks=None, out_dtype=None, layout="BLHD")
+           kv_lengths=None, segment_ids=None, query_mask=None, fill=-inf, softcap=None,
+           post_mask=None, sinks=None, out_dtype=None, layout="BLHD")
 
 with, in layout "BLHD" (canonical, as `hlotool.site.AttentionSite`):
   q: [B, Lq, Hq, D]    k: [B, Lk, Hkv, D]    v: [B, Lk, Hkv, Dv]    -> out: [B, Lq, Hq, Dv]
@@ -31,7 +31,9 @@ the softmax and has no value (attention sinks, GPT-OSS): out = Σ_j exp(l_j)·v_
 `causal` (top-left aligned, as `jax.nn.dot_product_attention`), `i - left <= j <= i + right` for
 `window=(left, right)` (a sliding window; None for an unbounded side), `j < kv_lengths[b]`
 and, with `segment_ids=(q_ids [B, Lq], kv_ids [B, Lk])` (packed sequences), q_ids[b, i] ==
-kv_ids[b, j].
+kv_ids[b, j], and query_mask[b, i] (bool [B|1, Lq]: query padding, a factor of the mask that
+hides whole query rows, kept apart so that a kernel taking key padding and a band as
+structure can take it too instead of an [Lq, Lk] mask).
 `fill` is the logit of a hidden key, exactly what `jnp.where(mask, scores, fill)` gives the
 naive program: with the default -inf hidden keys never contribute, even when they hold NaN, and
 a query row with no visible key returns zeros; with a finite fill a hidden key keeps its weight
@@ -97,7 +99,8 @@ class Support:
 # `AttentionKernel.extras`, and refuses the others by these names.
 EXTRAS = {"softcap": "logit soft-capping", "post_mask": "a mask applied after the softmax",
           "dropout": "dropout on the probabilities", "sinks": "attention sinks",
-          "window": "a sliding window", "segments": "segment ids"}
+          "window": "a sliding window", "segments": "segment ids",
+          "query_padding": "query padding"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,7 @@ class Features:
     sinks: bool = False
     window: bool = False
     segments: bool = False
+    query_padding: bool = False  # a factor of the mask hiding whole query rows
 
     @classmethod
     def of_site(cls, site: AttentionSite) -> Features:
@@ -130,6 +134,7 @@ class Features:
             sinks=site.sinks,
             window=site.window is not None,
             segments=site.segments,
+            query_padding=site.query_padding,
         )
 
     def extras(self) -> tuple[str, ...]:
@@ -138,7 +143,8 @@ class Features:
 
     @property
     def hides_keys(self) -> bool:
-        return self.causal or self.mask or self.kv_lengths or self.window or self.segments
+        return (self.causal or self.mask or self.kv_lengths or self.window or self.segments
+                or self.query_padding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +193,7 @@ class ScoreBlocks:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["q", "k", "v", "bias", "mask", "kv_lengths", "post_mask",
-                                "sinks", "segments"],
+                                "sinks", "segments", "query_mask"],
                    meta_fields=["scale", "causal", "fill", "softcap", "out_dtype", "window"])
 @dataclasses.dataclass(frozen=True)
 class Call:
@@ -216,6 +222,7 @@ class Call:
     out_dtype: str | None = None
     window: tuple[int | None, int | None] | None = None
     segments: tuple[jax.Array, jax.Array] | None = None  # (q ids [B, Lq], kv ids [B, Lk])
+    query_mask: jax.Array | None = None  # bool [B|1, Lq]: the query rows the mask keeps
 
     @property
     def band(self) -> Band | None:
@@ -240,6 +247,7 @@ class Call:
             sinks=self.sinks is not None,
             window=self.window is not None,
             segments=self.segments is not None,
+            query_padding=self.query_mask is not None,
         )
 
     def site(self) -> AttentionSite:
@@ -268,7 +276,17 @@ class Call:
             post_mask=self.features.post_mask, dropout=self.features.dropout,
             sinks=self.sinks is not None,
             window=self.window, segments=self.segments is not None,
+            query_padding=self.query_mask is not None,
         )
+
+    def with_query_mask_in_mask(self) -> Call:
+        """This call with `query_mask` ANDed into `mask` ([B, 1, Lq, 1] alone, else the
+        product): for a kernel that takes any mask but no query mask of its own."""
+        if self.query_mask is None:
+            return self
+        rows = self.query_mask[:, None, :, None]
+        mask = rows if self.mask is None else self.mask & rows
+        return dataclasses.replace(self, mask=mask, query_mask=None)
 
 
 def _to_blhd(x: jax.Array, name: str, layout: str) -> jax.Array:
@@ -301,6 +319,7 @@ class CallOptions(TypedDict, total=False):
     window: tuple[int | None, int | None] | None
     kv_lengths: jax.Array | None
     segment_ids: tuple[jax.Array, jax.Array] | None
+    query_mask: jax.Array | None
     fill: float
     softcap: float | None
     post_mask: jax.Array | None
@@ -321,6 +340,7 @@ def make_call(
     window: tuple[int | None, int | None] | None = None,
     kv_lengths: jax.Array | None = None,
     segment_ids: tuple[jax.Array, jax.Array] | None = None,
+    query_mask: jax.Array | None = None,
     fill: float = -math.inf,
     softcap: float | None = None,
     post_mask: jax.Array | None = None,
@@ -394,8 +414,15 @@ def make_call(
         kv_lengths = kv_lengths.astype(jnp.int32)
     if segment_ids is not None:
         segment_ids = _segment_ids(segment_ids, b, lq, k.shape[1])
+    if query_mask is not None:
+        query_mask = jnp.asarray(query_mask)
+        if query_mask.ndim != 2 or query_mask.shape[0] not in (1, b) or \
+                query_mask.shape[1] != lq or query_mask.dtype != jnp.bool_:
+            raise KernelError(f"query_mask must be a boolean [B|1, Lq] = [{b}|1, {lq}] "
+                              f"array, got {query_mask.dtype}{list(query_mask.shape)}")
     return Call(q, k, v, 1.0 if scale is None else float(scale), bias, mask, bool(causal),
-                kv_lengths, fill, softcap, post_mask, sinks, out_dtype, window, segment_ids)
+                kv_lengths, fill, softcap, post_mask, sinks, out_dtype, window, segment_ids,
+                query_mask)
 
 
 def _segment_ids(ids, b: int, lq: int, lk: int) -> tuple[jax.Array, jax.Array]:
@@ -685,7 +712,8 @@ def visible_keys(call: Call) -> jax.Array | None:
                   None if call.kv_lengths is None
                   else jnp.arange(lk) < call.kv_lengths[:, None, None, None],
                   None if call.segments is None
-                  else call.segments[0][:, None, :, None] == call.segments[1][:, None, None, :]):
+                  else call.segments[0][:, None, :, None] == call.segments[1][:, None, None, :],
+                  None if call.query_mask is None else call.query_mask[:, None, :, None]):
         if extra is not None:
             visible = extra if visible is None else visible & extra
     return visible
@@ -694,6 +722,13 @@ def visible_keys(call: Call) -> jax.Array | None:
 def row_has_key(call: Call) -> jax.Array | None:
     """bool, broadcastable to [B, Hq, Lq, 1]: whether each query row sees at least one key;
     None when every row does (a causal row always sees key 0)."""
+    if call.query_mask is not None:
+        rows = call.query_mask[:, None, :, None]
+        others = row_has_key(dataclasses.replace(call, query_mask=None))
+        return rows if others is None else rows & others
+    keys = _kept_keys(call)
+    if keys is not None:
+        return _band_has_key(keys, call.q.shape[1], call.band)
     if call.mask is None and call.kv_lengths is None and call.segments is None:
         if call.window is None:
             return None
@@ -708,6 +743,37 @@ def row_has_key(call: Call) -> jax.Array | None:
             last = jnp.minimum(last, i)
         return (first <= last)[None, None]  # [1, 1, Lq, 1]
     return jnp.any(visible_keys(call), axis=-1, keepdims=True)
+
+
+def _kept_keys(call: Call) -> jax.Array | None:
+    """bool [B|1, Lk]: the keys a call keeps where what hides them varies along the keys
+    alone (key padding, kv_lengths; no segment ids); None otherwise or without either."""
+    mask = call.mask
+    if call.segments is not None or (mask is not None and mask.shape[1:3] != (1, 1)) or (
+            mask is None and call.kv_lengths is None):
+        return None
+    lk = call.k.shape[1]
+    keys = None if mask is None else jnp.broadcast_to(mask[:, 0, 0, :], (mask.shape[0], lk))
+    if call.kv_lengths is not None:
+        within = jnp.arange(lk)[None, :] < call.kv_lengths[:, None]
+        keys = within if keys is None else keys & within
+    return keys
+
+
+def _band_has_key(keys: jax.Array, lq: int, band: Band | None) -> jax.Array:
+    """bool [B|1, 1, Lq, 1]: whether row i keeps a key of `keys` [B|1, Lk] inside `band`,
+    from prefix counts of the kept keys: O(L), where reducing the [Lq, Lk] visibility would
+    write an L×L buffer (a device's [Lq/n, Lk] of it on a mesh)."""
+    lk = keys.shape[1]
+    counts = jnp.concatenate([jnp.zeros((keys.shape[0], 1), jnp.int32),
+                              jnp.cumsum(keys.astype(jnp.int32), axis=1)], axis=1)
+    i = jnp.arange(lq)
+    left, right = band if band is not None else (None, None)
+    first = jnp.zeros_like(i) if left is None else jnp.clip(i - left, 0, lk)
+    end = jnp.full_like(i, lk) if right is None else jnp.clip(i + right + 1, 0, lk)
+    end = jnp.maximum(end, first)
+    has = jnp.take(counts, end, axis=1) > jnp.take(counts, first, axis=1)
+    return has[:, None, :, None]
 
 
 def band_mask(lq: int, lk: int, window: tuple[int | None, int | None]) -> jax.Array:

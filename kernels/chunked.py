@@ -115,10 +115,10 @@ def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static, banded: bool = True
 
     q_i: [B, Hkv, G·block_q, D], the G query heads of a K/V head stacked as rows, so each
     tile is one batched matmul per K/V head. keys: (kv_lengths [B], q segment ids [B, Lq],
-    kv segment ids [B, Lk]), each None when absent. `banded` False: the tile lies wholly
+    kv segment ids [B, Lk], query mask [B|1, Lq]), each None when absent. `banded` False: the tile lies wholly
     inside the band, so the band is not applied.
     """
-    kv_lengths, q_segments, kv_segments = keys
+    kv_lengths, q_segments, kv_segments, query_mask = keys
     s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=jnp.float32)
     if st.scale != 1.0 and not st.scale_q:
         s = s * st.scale
@@ -150,6 +150,10 @@ def _scores(q_i, k_j, bias, mask, keys, i, j, st: _Static, banded: bool = True
         kv_seg = lax.dynamic_slice_in_dim(kv_segments, j * st.block_k, st.block_k, axis=1)
         same = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None, None]
         visible = same if visible is None else visible & same
+    if query_mask is not None:  # query padding: a row hides every key
+        kept = lax.dynamic_slice_in_dim(query_mask, i * st.block_q, st.block_q, axis=1)
+        kept = kept[:, None, None, :, None]
+        visible = kept if visible is None else visible & kept
     if visible is not None:
         visible = jnp.broadcast_to(visible, s.shape)
         s = jnp.where(visible, s, st.fill)
@@ -277,9 +281,10 @@ def _key_rows(x_t, j, st: _Static) -> jax.Array:
 
 
 def _forward(q, k_t, v_t, bias, mask, keys, post, sinks, st: _Static):
-    """out [B, Lq, Hkv, G, Dv] (f32) and each row's max and normalizer [B, Hkv, G, Lq]
-    (0 and 1 for a row that saw nothing, whose out is then zeros). A row's sink starts its
-    max and normalizer (weight exp(sink - max), no value).
+    """out [B, Lq, Hkv, G, Dv] (f32), each row's max and normalizer [B, Hkv, G, Lq] (0 and 1
+    for a row that saw nothing, whose out is then zeros) and its log-sum-exp (-inf for such a
+    row: what a caller merging calls over parts of the keys weighs it by). A row's sink
+    starts its max and normalizer (weight exp(sink - max), no value).
 
     q [B, Lq, Hkv, G, D] in the caller's layout, each block transposed as it is sliced, and
     each query block's out written into its place in the one output buffer; k_t [B, Hkv, Lk,
@@ -334,15 +339,16 @@ def _forward(q, k_t, v_t, bias, mask, keys, post, sinks, st: _Static):
         empty = l == 0
         out = acc / jnp.where(empty, 1.0, l)[..., None]
         m, l = jnp.where(empty, 0.0, m), jnp.where(empty, 1.0, l)
+        lse = jnp.where(empty, -jnp.inf, m + jnp.log(l))
         shape = (b, hkv, g, st.block_q)
         out = jnp.transpose(out.reshape(shape + (dv,)), (0, 3, 1, 2, 4))
         start = i * st.block_q
+        parts = (out, m.reshape(shape), l.reshape(shape), lse.reshape(shape))
         return tuple(lax.dynamic_update_slice_in_dim(whole, part, start, axis=axis)
-                     for whole, part, axis in zip(results, (out, m.reshape(shape),
-                                                            l.reshape(shape)), (1, 3, 3)))
+                     for whole, part, axis in zip(results, parts, (1, 3, 3, 3)))
 
-    init = (jnp.zeros((b, lq, hkv, g, dv), jnp.float32), jnp.zeros((b, hkv, g, lq), jnp.float32),
-            jnp.zeros((b, hkv, g, lq), jnp.float32))
+    per_row = jnp.zeros((b, hkv, g, lq), jnp.float32)
+    init = (jnp.zeros((b, lq, hkv, g, dv), jnp.float32), per_row, per_row, per_row)
     if nq == 1:
         return query_block(0, init)
     return lax.fori_loop(0, nq, query_block, varying(init, st.varying))
@@ -479,7 +485,7 @@ def _flash(q, k, v, bias, mask, keys, post, sinks, st: _Static):
 
 def _flash_fwd(q, k, v, bias, mask, keys, post, sinks, st):
     k_t, v_t = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    out, m, l = _forward(q, k_t, v_t, bias, mask, keys, post, sinks, st)
+    out, m, l, _ = _forward(q, k_t, v_t, bias, mask, keys, post, sinks, st)
     return out, (q, k_t, v_t, bias, mask, keys, post, sinks, out, m, l)
 
 
@@ -557,7 +563,7 @@ class Chunked(AttentionKernel):
                          or (call.band is not None and call.band[0] is not None)),
                      varying=axes_varied_over(call.q, call.k, call.v, call.bias, call.mask,
                                               *jax.tree.leaves(call.post_mask), call.sinks,
-                                              call.kv_lengths,
+                                              call.kv_lengths, call.query_mask,
                                               *(call.segments or ())),
                      q_len=lq if lq_p > lq else 0)
         q = _pad_axis(call.q.reshape(b, lq, hkv, g, d), 1, lq_p)
@@ -584,6 +590,9 @@ class Chunked(AttentionKernel):
             q_seg, kv_seg = call.segments
             segments = (jnp.pad(q_seg, ((0, 0), (0, lq_p - lq)), constant_values=-1),
                         jnp.pad(kv_seg, ((0, 0), (0, lk_p - lk)), constant_values=-2))
+        query_mask = None
+        if call.query_mask is not None:  # padded query rows are cut off after the call
+            query_mask = jnp.pad(call.query_mask, ((0, 0), (0, lq_p - lq)))
         out = _flash(q, k, v, to5(call.bias, 0), to5(call.mask, False),
-                     (kv_lengths, *segments), to5(call.post_mask, False), sinks, st)
+                     (kv_lengths, *segments, query_mask), to5(call.post_mask, False), sinks, st)
         return out[:, :lq].reshape(b, lq, hq, -1).astype(call.result_dtype)

@@ -85,6 +85,7 @@ class PallasTpuFlash(PaddedTpuKernel):
     name = "pallas_tpu"
     platforms = ("tpu",)
     hidden_logit = MASK_VALUE
+    extras = frozenset({"query_padding"})  # ANDed into its dense mask
 
     def __init__(self) -> None:
         self._probe = probe(
@@ -104,7 +105,7 @@ class PallasTpuFlash(PaddedTpuKernel):
         bq, bk = tiles(site.q_len, site.kv_len, hardware)
         cost = flash_cost(site, block_q=bq, block_k=bk, backward=backward,
                           kv_head_repeat=site.num_q_heads // site.num_kv_heads)
-        if site.mask in ("additive", "boolean"):
+        if site.mask in ("additive", "boolean") or site.query_padding:
             # Upstream reads the dense [B, H, Lq, Lk] f32 bias tile by tile (and writes dbias).
             ab = 4 * site.batch * site.num_q_heads * site.q_len * site.kv_len
             cost += KernelCost(0, 0, ab * (3 if backward else 1), 0)
@@ -112,6 +113,7 @@ class PallasTpuFlash(PaddedTpuKernel):
 
     def _attend_upstream(self, call: Call) -> jax.Array:
         fa = self._probe.module
+        call = call.with_query_mask_in_mask()  # it takes any mask, dense
         b, lq, hq, d = call.q.shape
         lk, hkv, dv = call.k.shape[1], call.k.shape[2], call.v.shape[3]
         lq_p, lk_p, d_p = padded_length(lq), padded_length(lk), padded_head_dim(d, dv)

@@ -1,9 +1,12 @@
-"""A kernel call on a device mesh: split over batch and heads with `jax.shard_map`.
+"""A kernel call on a device mesh: split over batch and heads with `jax.shard_map`, and over
+an axis left over along the sequence, as ring attention (`hlotool.kernels.ring`).
 
 Pallas TPU kernels cannot be auto-partitioned ("Mosaic kernels cannot be automatically
 partitioned"), so a program sharded over a mesh runs each kernel call per shard: the batch
 axis over mesh axes that divide it, the heads over axes that divide both the query and the
-key/value heads (each shard keeps whole GQA groups); other mesh axes replicate the call.
+key/value heads (each shard keeps whole GQA groups). A mesh axis left over splits the
+sequence: each device keeps its block of queries and the key/value blocks go round the ring,
+where `ring.refusal` takes the call; elsewhere that axis replicates the call.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Any, Callable, Sequence
 import jax
 
 from hlotool import jaxcompat
+from hlotool.kernels import ring
 from hlotool.kernels.base import Call
 from hlotool.kernels.drawn import DrawnMask
+from hlotool.site import AttentionSite
 
 
 def mesh_of(leaves: Sequence[Any], in_shardings: Any = None) -> Any:
@@ -49,27 +54,66 @@ def mesh_split(mesh: Any, batch: int, q_heads: int, kv_heads: int
     return tuple(on_batch), tuple(on_heads)
 
 
+def sequence_axis(mesh: Any, site: AttentionSite, taken: tuple[str, ...]
+                  ) -> tuple[str | None, str]:
+    """The mesh axis a ring over the sequence runs along: the first of size > 1 that splits
+    neither batch nor heads (`taken`), where `ring.refusal` takes the site split that many
+    ways; else None and why not ("" where no axis is left)."""
+    for axis, size in mesh.shape.items():
+        if size > 1 and axis not in taken:
+            why = ring.refusal(site, size)
+            return (axis, "") if why is None else (None, why)
+    return None, ""
+
+
+def split_note(mesh: Any, site: AttentionSite) -> str:
+    """How a kernel call of `site` is split over `mesh`, for reports ("" where it is not)."""
+    if mesh is None:
+        return ""
+    batch, heads = mesh_split(mesh, site.batch, site.num_q_heads, site.num_kv_heads)
+    seq, why = sequence_axis(mesh, site, batch + heads)
+    parts = [f"{name} over mesh axes {', '.join(axes)}"
+             for name, axes in (("batch", batch), ("heads", heads)) if axes]
+    if seq:
+        parts.append(f"sequence over mesh axis {seq} ({mesh.shape[seq]} devices) as ring "
+                     "attention: K/V blocks passed round, none gathered")
+    elif why:
+        parts.append(f"not the sequence as a ring ({why}): a mesh axis left over holds the "
+                     "call whole")
+    return "on the mesh: " + "; ".join(parts) if parts else ""
+
+
 def on_mesh(run: Callable[[Call], jax.Array], call: Call, mesh: Any) -> jax.Array:
-    """`run(call)` ([B, Lq, Hq, Dv]), per shard of `mesh` when it splits batch or heads."""
+    """`run(call)` ([B, Lq, Hq, Dv]), per shard of `mesh` when it splits batch or heads; over
+    a mesh axis left over, the sequence split along it and computed as a ring (`ring`), where
+    the ring takes the call (else that axis replicates it)."""
     if mesh is None:
         return run(call)
     batch, heads = mesh_split(mesh, call.q.shape[0], call.q.shape[2], call.k.shape[2])
-    if not (batch or heads):
+    seq, _ = sequence_axis(mesh, call.site(), batch + heads)
+    if not (batch or heads or seq):
         return run(call)
     if isinstance(call.post_mask, DrawnMask):  # its tiles count positions of the whole call
         call = dataclasses.replace(call, post_mask=call.post_mask.dense())
     spec = jax.sharding.PartitionSpec
-    qkv = spec(batch or None, None, heads or None, None)
+    qkv = spec(batch or None, seq, heads or None, None)
     scores = [None if x is None else spec(batch if x.shape[0] > 1 else None,
-                                          heads if x.shape[1] > 1 else None)
+                                          heads if x.shape[1] > 1 else None, None,
+                                          seq if x.shape[3] > 1 else None)
               for x in (call.bias, call.mask)]
     lengths = None if call.kv_lengths is None else spec(batch or None)
-    specs = (qkv, qkv, qkv, *scores, lengths)
-    args = (call.q, call.k, call.v, call.bias, call.mask, call.kv_lengths)
+    # [B, L] per row of the batch (segment ids), [B|1, Lq] (the query mask).
+    rows = [None if x is None else spec(batch if x.shape[0] > 1 else None, seq)
+            for x in (*(call.segments or (None, None)), call.query_mask)]
+    specs = (qkv, qkv, qkv, *scores, lengths, *rows)
+    args = (call.q, call.k, call.v, call.bias, call.mask, call.kv_lengths,
+            *(call.segments or (None, None)), call.query_mask)
 
-    def shard(q, k, v, bias, mask, kv_lengths):
-        return run(dataclasses.replace(call, q=q, k=k, v=v, bias=bias, mask=mask,
-                                       kv_lengths=kv_lengths))
+    def shard(q, k, v, bias, mask, kv_lengths, q_ids, kv_ids, query_mask):
+        local = dataclasses.replace(
+            call, q=q, k=k, v=v, bias=bias, mask=mask, kv_lengths=kv_lengths,
+            segments=None if q_ids is None else (q_ids, kv_ids), query_mask=query_mask)
+        return ring.attend(local, seq, mesh.shape[seq]) if seq else run(local)
 
     # Explicit-axis meshes type values with their sharding: shard_map wants them already
     # split as `specs` says.

@@ -10,6 +10,8 @@ scale (q comes pre-scaled). So masks reach it in kernel terms, never as a dense 
   - key padding (a boolean mask varying along batch and keys only) and kv_lengths: segment
     ids, q id 1 and kv id 1 where the key is kept, 0 where it is not; the call's own segment
     ids (packed sequences) as they are, a hidden key's id made one no query has;
+  - query padding (`query_mask`): a hidden query's id made one no key has, so the row sees
+    nothing and gets what the call's fill gives an empty row;
   - lengths: padded up to a multiple of 128, padded keys masked with those segment ids; blocks
     the largest that divide the padded length, up to the chip's `attention_block` (1024 on
     v6e, 512 elsewhere: `hlotool.hardware`), the chip the one traced for;
@@ -63,7 +65,7 @@ class SplashTpu(PaddedTpuKernel):
     name = "splash_tpu"
     platforms = ("tpu",)
     hidden_logit = MASK_VALUE
-    extras = frozenset({"softcap", "sinks", "window", "segments"})
+    extras = frozenset({"softcap", "sinks", "window", "segments", "query_padding"})
 
     def __init__(self, interpret: bool = False) -> None:
         self.interpret = interpret
@@ -84,7 +86,8 @@ class SplashTpu(PaddedTpuKernel):
                               "does)")
         if features.mask and not set(site.mask_axes or "") <= {"B", "K"}:
             return Support.no(f"a boolean mask varying along {site.mask_axes} (splash takes "
-                              "causal masks and key padding; pallas_tpu takes any mask)")
+                              "causal masks, key and query padding; pallas_tpu takes any "
+                              "mask)")
         return soft_fill_refusal(site, features)
 
     def cost(self, site: AttentionSite, *, backward: bool = False,
@@ -114,16 +117,24 @@ class SplashTpu(PaddedTpuKernel):
         if call.mask is not None:  # [B|1, 1, 1, Lk]: `_check` admits key padding only
             keys = jnp.pad(call.mask[:, 0, 0, :], ((0, 0), (0, lk_p - lk)))
             keep = keep & keys
+        rows = None  # queries the call keeps; the padded ones are cut off after the kernel
+        if call.query_mask is not None:
+            rows = jnp.pad(jnp.broadcast_to(call.query_mask, (b, lq)), ((0, 0), (0, lq_p - lq)),
+                           constant_values=True)
         segment_ids = None
         if call.segments is not None:
             q_ids, kv_ids = call.segments
             absent = jnp.minimum(jnp.min(q_ids), jnp.min(kv_ids)) - 1  # no query's id
             q_ids = jnp.pad(q_ids, ((0, 0), (0, lq_p - lq)), constant_values=0)
+            if rows is not None:
+                q_ids = jnp.where(rows, q_ids, absent - 1)  # and no key's
             kv_ids = jnp.pad(kv_ids, ((0, 0), (0, lk_p - lk)))
             segment_ids = sa.SegmentIds(q=q_ids, kv=jnp.where(keep, kv_ids, absent))
-        elif call.kv_lengths is not None or call.mask is not None or lk_p != lk:
-            segment_ids = sa.SegmentIds(q=jnp.ones((b, lq_p), jnp.int32),
-                                        kv=keep.astype(jnp.int32))
+        elif (call.kv_lengths is not None or call.mask is not None or lk_p != lk
+              or rows is not None):
+            q_ids = jnp.ones((b, lq_p), jnp.int32) if rows is None else \
+                jnp.where(rows, 1, 2).astype(jnp.int32)
+            segment_ids = sa.SegmentIds(q=q_ids, kv=keep.astype(jnp.int32))
 
         sinks = None
         if call.sinks is not None:  # [B|1, Hq|1, 1, 1]: detection keeps them per head

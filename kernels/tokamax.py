@@ -76,6 +76,7 @@ class Tokamax(PaddedTpuKernel):
 
     optional = True  # an extra: unavailable here is not a broken install (`hlotool doctor`)
     hidden_logit = MASK_VALUE  # splash's, for hidden and padded keys
+    extras = frozenset({"query_padding"})  # ANDed into its dense mask
 
     def __init__(self, platform: str) -> None:
         self.name = f"tokamax_{'gpu' if platform == 'cuda' else platform}"
@@ -112,7 +113,7 @@ class Tokamax(PaddedTpuKernel):
              hardware: Hardware | None = None) -> KernelCost:
         lq, lk = padded_length(site.q_len), padded_length(site.kv_len)
         cost = flash_cost(site, block_q=_BLOCK, block_k=_BLOCK, backward=backward)
-        if site.mask == "boolean" or lk != site.kv_len:
+        if site.mask == "boolean" or site.query_padding or lk != site.kv_len:
             # The dense boolean mask (one byte per score, shared by the heads) is read per
             # tile, forward and again in the backward.
             cost += KernelCost(0, 0, site.batch * lq * lk * (2 if backward else 1), 0)
@@ -120,6 +121,7 @@ class Tokamax(PaddedTpuKernel):
 
     def _attend_upstream(self, call: Call) -> jax.Array:
         tokamax = self._probe.module
+        call = call.with_query_mask_in_mask()  # it takes any mask, dense
         b, lq, hq, _ = call.q.shape
         lk = call.k.shape[1]
         lq_p, lk_p = padded_length(lq), padded_length(lk)

@@ -839,8 +839,9 @@ def _attention_site(m: dict, function: str, operands: _Operands, scale: float | 
     b, lq, hq, d = operands.q.layout.canonical
     _, lk, hkv, _ = operands.k.layout.canonical
     dv = operands.v.layout.canonical[3]
-    kinds = [t.kind for t in logit_masks]
-    masks = logit_masks + beside
+    rows = {id(t) for t in logit_masks if hides_query_rows(t)}
+    kinds = [t.kind for t in logit_masks if id(t) not in rows]
+    masks = [t for t in logit_masks + beside if id(t) not in rows]
     kind = next((k for k in ("additive", "boolean", "causal") if k in kinds), "none")
     window = chain.window if chain.refusal is None else None
     if kind == "none" and window is not None:
@@ -862,7 +863,7 @@ def _attention_site(m: dict, function: str, operands: _Operands, scale: float | 
         dropout=any(t.kind == "dropout" or id(t.at) in drawn_keep for t in beside),
         out_scale=None if probs.out_factor == 1.0 else probs.out_factor,
         sinks=any(t.kind == "sinks" for t in beside), window=window,
-        segments=any(t.kind == "segment_q" for t in masks),
+        segments=any(t.kind == "segment_q" for t in masks), query_padding=bool(rows),
         q_shape=operands.q.node.shape, k_shape=operands.k.node.shape,
         v_shape=operands.v.node.shape, layout=operands.q.layout.roles,
         softmax_dtype=m["exp"].dtype, function=function, source=scores.source or out.source,
@@ -940,6 +941,13 @@ def from_bits(factor: Node) -> bool:
             return True
         else:
             return False
+
+
+def hides_query_rows(term: MaskTerm) -> bool:
+    """Whether `term` is a boolean factor of the mask varying along the queries and at most
+    the batch (query padding): it hides whole query rows, so a kernel can take it as a
+    per-row flag instead of an [Lq, Lk] mask."""
+    return term.kind == "boolean" and _varying_axes([term]) in ("Q", "BQ")
 
 
 def _varying_axes(terms: list[MaskTerm]) -> str | None:

@@ -39,7 +39,7 @@ from hlotool.kernels.base import (
 )
 from hlotool.kernels import drawn
 from hlotool.kernels.drawn import DrawnMask, dropped_by
-from hlotool.passes.attention import Layout
+from hlotool.passes.attention import Layout, hides_query_rows
 from hlotool.passes.axes import reshape_groups
 from hlotool.passes.from_jaxpr import JaxprSite, MaskVar
 from hlotool.passes.graph import uniform_value
@@ -73,6 +73,7 @@ class KernelForm:
     out_factor: float = 1.0  # a constant the output is multiplied by (`Match.out_factor`)
     window: tuple[int | None, int | None] | None = None
     segments: tuple[MaskVar, MaskVar] | None = None  # (q ids, kv ids) of packed sequences
+    query_masks: tuple[MaskVar, ...] = ()  # boolean factors hiding whole query rows (ANDed)
     # Biases read as masks (`Logits.checks`): (F, the add's dtype, |C| before it), and the
     # form computing the site without that reading, for calls `reads_as_mask` rejects (None:
     # no kernel form has it, a bias before a soft-cap say; then the site's own equations).
@@ -99,13 +100,15 @@ class KernelForm:
                         post_mask=any(m.kind == "post" for m in self.post_masks),
                         dropout=any(m.kind == "dropout" for m in self.post_masks),
                         sinks=self.sinks is not None, window=self.window is not None,
-                        segments=self.segments is not None)
+                        segments=self.segments is not None,
+                        query_padding=bool(self.query_masks))
 
     @property
     def operand_masks(self) -> tuple[MaskVar, ...]:
         """Every operand of the call but the biases, in a fixed order."""
         return (*self.masks, *self.multipliers, *self.post_masks,
-                *(() if self.sinks is None else (self.sinks,)), *(self.segments or ()))
+                *(() if self.sinks is None else (self.sinks,)), *(self.segments or ()),
+                *self.query_masks)
 
     def signature(self) -> tuple:
         """Everything `operands` reads from the form, with operand variables left out: equal
@@ -123,6 +126,7 @@ class KernelForm:
                 None if self.sinks is None else var_free(self.sinks), self.checks,
                 self.hard_fill,
                 tuple(var_free(m) for m in self.segments or ()),
+                tuple(var_free(m) for m in self.query_masks),
                 None if self.fallback is None else self.fallback.signature())
 
 
@@ -160,17 +164,21 @@ def _form(site: JaxprSite, chain) -> KernelForm:
     # the factors of an AND mask share their select).
     by_node = {(id(t.at), id(t.operand)): m for t, m in zip(site.match.masks, site.masks)}
     biases = tuple((by_node[id(t.at), id(t.operand)], mult) for t, mult in chain.biases)
-    masks = tuple(by_node[id(t.at), id(t.operand)] for t in chain.masks if t.kind == "boolean")
+    masks = tuple(by_node[id(t.at), id(t.operand)] for t in chain.masks
+                  if t.kind == "boolean" and not hides_query_rows(t))
+    query_masks = tuple(by_node[id(t.at), id(t.operand)] for t in chain.masks
+                        if hides_query_rows(t))
     segments = tuple(by_node[id(t.at), id(t.operand)] for t in chain.masks
                      if t.kind in ("segment_q", "segment_kv"))
     if len(segments) > 2:  # a call compares one pair of ids
         raise RewriteError("the mask compares two pairs of segment ids (packed sequences "
                            "twice); a kernel call takes one")
     # A window can leave a row no key (a query past the keys' end); causal alone cannot.
-    hides_rows = bool(biases or masks or chain.window or segments)
+    hides_rows = bool(biases or masks or chain.window or segments or query_masks)
     form = KernelForm(scale=site.scale, causal=chain.causal, fill=chain.fill, biases=biases,
                       masks=masks, nan_rows=hides_rows and chain.fill == -math.inf,
                       window=chain.window, segments=segments[:2] or None,
+                      query_masks=query_masks,
                       multipliers=site.multipliers, softcap=chain.softcap,
                       post_masks=tuple(m for m in site.masks if m.kind in ("post", "dropout")),
                       sinks=next((m for m in site.masks if m.kind == "sinks"), None),
@@ -259,17 +267,24 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array],
         q_ids, kv_ids = (scores_operand(m, values[m.var]) for m in form.segments)
         segment_ids = (jnp.broadcast_to(q_ids[:, :1, :, :1], (b, 1, lq, 1))[:, 0, :, 0],
                        jnp.broadcast_to(kv_ids[:, :1, :1, :], (b, 1, 1, lk))[:, 0, 0, :])
+    query_mask = _all_of(form.query_masks, values)  # [B|1, 1, Lq, 1]
+    if query_mask is not None:
+        query_mask = query_mask[:, 0, :, 0]
     call = make_call(q, k, v, scale=form.scale, bias=bias, mask=mask, causal=form.causal,
-                     window=form.window, segment_ids=segment_ids, fill=form.fill, softcap=form.softcap, post_mask=weights,
+                     window=form.window, segment_ids=segment_ids, query_mask=query_mask,
+                     fill=form.fill, softcap=form.softcap, post_mask=weights,
                      sinks=None if sinks is None else sinks.astype(jnp.float32),
                      out_dtype="float32" if factors else None)
     if not form.nan_rows:
         return call, After(factors=factors)
-    live = visible_keys(call)
-    if call.bias is not None:
+    if call.bias is None:  # O(L) where the mask allows (`row_has_key`)
+        has = row_has_key(call)
+        empty = jnp.zeros((1, 1, 1, 1), bool) if has is None else ~has
+    else:
+        live = visible_keys(call)
         finite = call.bias > -jnp.inf
         live = finite if live is None else live & finite
-    empty = ~jnp.any(live, axis=-1, keepdims=True)
+        empty = ~jnp.any(live, axis=-1, keepdims=True)
     if post is not None:  # where(m, NaN, 0) is NaN only where m keeps the key
         empty = empty & jnp.any(post, axis=-1, keepdims=True)
     if call.sinks is not None:  # a finite sink is a logit the row always has

@@ -4,8 +4,9 @@ a rewrite keeps each program's meaning.
 A `Program` is softmax(chain(Q·Kᵀ))·V written the plain way, where the chain is a random
 sequence of steps: scale (mul/div by 1e-6 … 1e3), masks (`where(m, s, fill)` or its mirror,
 fill -inf / finfo.min / -1e9 / -1e4 / -5; causal top-left or bottom-right, sliding window,
-random boolean, key padding from lengths, rows with no visible key, and `tril & padding`
-built in the program as gemma and Hugging Face combine them), additive biases of every
+random boolean, key padding from lengths, rows with no visible key, `tril & padding`
+built in the program as gemma and Hugging Face combine them, query padding alone and flax's
+outer AND of query and key padding with tril), additive biases of every
 broadcast shape (some with -inf / finfo.min entries), additive causal constants and tanh
 soft-capping (`tanh(s / c) * c`); in f32, bf16 or f16, BLHD / BHLD / merged-heads layouts, GQA
 by repeat, Lq = 1 and Lk = 1 included. A sink logit per head may be concatenated as one more
@@ -74,7 +75,8 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 FILLS = ("-inf", "finfo.min", "-1e9", "-1e4", "-5")
 MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding",
          "causal_and_padding", "band", "band_and_padding", "segments", "segments_and_causal",
-         "keras_merged", "nnx_combined", "ones_and_padding", "transposed_and_causal")
+         "keras_merged", "nnx_combined", "ones_and_padding", "transposed_and_causal",
+         "query_padding", "query_and_key_padding")
 # Masks whose arithmetic is not what it looks like, or has a traced part: built in the
 # program, each must be read as the values it computes or keep the site native.
 #   window_uint32: `(i - j) < 3` over uint32 positions, which wraps for j > i (hidden)
@@ -251,6 +253,10 @@ def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray | None
     if step.mask.startswith("segments"):
         return np.concatenate([np.sort(rng.integers(0, 3, (p.b, n)), axis=1)
                                for n in (p.lq, p.lk)], axis=1).astype(np.int32)
+    if step.mask == "query_padding":  # [B, 1, Lq, 1]: whole query rows hidden
+        return rng.random((p.b, 1, p.lq, 1)) < 0.75
+    if step.mask == "query_and_key_padding":  # bool [B, Lq + Lk]: queries' then keys' padding
+        return rng.random((p.b, p.lq + p.lk)) < 0.8
     i = np.arange(p.lq)[:, None]
     j = np.arange(p.lk)[None, :]
     if step.mask == "causal":
@@ -482,7 +488,8 @@ def build(p: Program, compute: str | None = None, logits: bool = False
         args.append(jax.random.PRNGKey(p.seed))
     first_mask = next((i for kind, at, i in extra if kind == "mask"
                        and p.steps[at].mask in MASKS and not p.steps[at].int_mask
-                       and not p.steps[at].mask.startswith("segments")), None)
+                       and not p.steps[at].mask.startswith("segments")
+                       and p.steps[at].mask != "query_and_key_padding"), None)
     repeated = next((at for at in reversed(range(len(p.steps)))
                      if p.steps[at].kind == "mask"), None)
     if p.post_mask in ("data", "mirrored") or (p.post_mask == "same" and first_mask is None) \
@@ -560,6 +567,10 @@ def build(p: Program, compute: str | None = None, logits: bool = False
                     m = _band(step.window, p)
                 elif step.mask == "band_and_padding":
                     m = _band(step.window, p) & m
+                elif step.mask == "query_and_key_padding":  # flax's make_attention_mask(pad,
+                    # pad) with its causal mask: an outer AND of the two paddings, then tril
+                    m = (m[:, None, :p.lq, None] & m[:, None, None, p.lq:]
+                         & jnp.tril(jnp.ones((p.lq, p.lk), bool)))
                 elif step.mask.startswith("segments"):  # q ids == kv ids, per batch row
                     m = m[:, None, :p.lq, None] == m[:, None, None, p.lq:]
                     if step.mask == "segments_and_causal":
@@ -842,6 +853,27 @@ def data_parallel(step, args):
     return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P())
 
 
+RING_DEVICES = 3  # divides no generated batch or head count: the mesh axis is left over
+RING_LENGTH = 48  # L/3 = 16: a multiple of 8, the ring's least block
+
+
+def on_a_ring(p: Program) -> Program:
+    """`p` at the length a sequence split 3 ways runs as ring attention: Lq = Lk = 48 (its
+    masks, biases and data are drawn for the program's own lengths)."""
+    return dataclasses.replace(p, lq=RING_LENGTH, lk=RING_LENGTH)
+
+
+def ring_mesh():
+    """The mesh `check(ring=True)` splits kernel calls over: 3 host devices on one axis,
+    which neither the batch nor the heads take, so the sequence goes round a ring. Needs
+    `--xla_force_host_platform_device_count=3` (or more) set before jax starts."""
+    if len(jax.devices()) < RING_DEVICES:
+        raise RuntimeError(f"the ring mode needs {RING_DEVICES} devices; set XLA_FLAGS="
+                           f"--xla_force_host_platform_device_count={RING_DEVICES}")
+    return jax.make_mesh((RING_DEVICES,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:RING_DEVICES])
+
+
 def over_layers(fn):
     """`fn` as the body of a two-step `lax.scan` without jax.checkpoint, as a scan over
     layers: its gradient is a forward loop that saves residuals and a backward loop that
@@ -955,8 +987,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 def check(p: Program, blocks: tuple[int, int] = (8, 8),
           compiler_options: dict | None = None, train: bool = False,
-          checkpoint: bool = False, sharded: bool = False, layers: bool = False
-          ) -> tuple[str, str]:
+          checkpoint: bool = False, sharded: bool = False, layers: bool = False,
+          ring: bool = False) -> tuple[str, str]:
     """("native" | "rewritten" | "overflowed" | "wrong", detail) for one program (see the
     module docstring; "overflowed": the naive output itself is not finite where the float64
     program's is, so there is nothing to keep).
@@ -968,7 +1000,9 @@ def check(p: Program, blocks: tuple[int, int] = (8, 8),
     sharded: the train step inside a shard_map (`data_parallel`), compared with the plain
     program's.
     layers: the program as the body of a scan over layers (`over_layers`); a rewrite that
-    recomputed it in the backward loop has the detail "recomputed"."""
+    recomputed it in the backward loop has the detail "recomputed".
+    ring: kernel calls split over `ring_mesh()`: where the ring takes the call (`on_a_ring`
+    gives the lengths it splits), its sequence goes round the 3 devices."""
     fn, args, diff = build(p)
     if checkpoint:
         fn = jax.checkpoint(fn)
@@ -984,7 +1018,8 @@ def check(p: Program, blocks: tuple[int, int] = (8, 8),
             rewritten = Rewritten(data_parallel(step, args) if sharded else step, p.kernel)
             traced = jax.jit(rewritten).trace(*args)
         else:
-            rewritten = Rewritten(fn, p.kernel)  # flash_jit(fn, kernel=p.kernel) is its jit
+            # flash_jit(fn, kernel=p.kernel) is its jit
+            rewritten = Rewritten(fn, p.kernel, mesh=ring_mesh() if ring else None)
             traced = jax.jit(value_and_grads(rewritten, diff)).trace(*args)
         report = rewritten.report
         for site in report.sites:

@@ -6,11 +6,14 @@ band as a window, the padding as key padding — so splash takes every layer, an
 
 The model code is KerasHub's (`compute_causal_mask`, `merge_padding_and_attention_mask`,
 `GemmaAttention._mask_sliding_window`, keras' masked `Softmax`) in keras ops on the JAX backend:
-keras-hub itself pulls TensorFlow, too heavy for the test extras."""
+keras-hub itself pulls TensorFlow, too heavy for the test extras. flax nnx's
+`make_attention_mask(pad, pad)` adds a factor of its own, query padding, which splash takes as
+segment ids and the chunked kernel per tile."""
 
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -92,18 +95,20 @@ def test_the_factors_of_a_keras_hub_mask(sliding):
 @pytest.mark.parametrize("sliding", [False, True], ids=["causal & padding", "window & padding"])
 @pytest.mark.sweep(keep=1)
 def test_a_keras_hub_mask_rewrites_with_outputs_and_gradients_equal(sliding):
-    args = _args(256, jnp.float32)
+    _equal_to_jit(lambda *a: gemma2_layer(*a, sliding), _args(256, jnp.float32))
 
-    def loss(fn):
-        return lambda q, k, v, pad: jnp.sum(jnp.sin(fn(q, k, v, pad)))
 
-    def layer(*a):
-        return gemma2_layer(*a, sliding)
-
+def _equal_to_jit(layer, args) -> None:
+    """`flash_jit(layer, kernel="chunked")` rewrites its site, with its output within 1e-5 of
+    `jax.jit`'s and its gradients with respect to q, k, v within 1e-5 of the largest."""
     fast = hlotool.flash_jit(layer, kernel="chunked")
     want, got = jax.jit(layer)(*args), fast(*args)
     assert float(jnp.max(jnp.abs(got - want))) < 1e-5
     assert hlotool.explain(layer, *args, kernel="chunked").rewritten == 1
+
+    def loss(fn):
+        return lambda q, k, v, pad: jnp.sum(jnp.sin(fn(q, k, v, pad)))
+
     want = jax.grad(loss(layer), argnums=(0, 1, 2))(*args)
     got = jax.grad(loss(fast), argnums=(0, 1, 2))(*args)
     for g, w in zip(got, want):
@@ -111,10 +116,16 @@ def test_a_keras_hub_mask_rewrites_with_outputs_and_gradients_equal(sliding):
 
 
 def test_a_keras_hub_window_and_padding_exports_to_splash_without_a_dense_mask():
-    length = 2048
-    args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _args(length, jnp.bfloat16)]
-    fast = hlotool.flash_jit(lambda *a: gemma2_layer(*a, True))
-    text = jax.export.export(jax.jit(fast), platforms=["tpu"])(*args).mlir_module()
+    _one_splash_call(lambda *a: gemma2_layer(*a, True), _args(2048, jnp.bfloat16))
+
+
+def _one_splash_call(layer, real) -> None:
+    """The TPU export of `flash_jit(layer)` at `real`'s shapes holds one splash call, whose
+    operands include no [L, L] array."""
+    length = real[0].shape[1]
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in real]
+    text = jax.export.export(jax.jit(hlotool.flash_jit(layer)), platforms=["tpu"])(
+        *args).mlir_module()
     calls = [line for line in text.splitlines()
              if "stablehlo.custom_call @tpu_custom_call" in line]
     assert len(calls) == 1 and "splash_mha_fwd" in text
@@ -155,3 +166,120 @@ def test_an_int32_padding_mask_stays_a_dense_remainder_and_says_so():
     (site,) = report.sites
     assert site.site.mask_axes == "BQK"
     assert "passed over splash_tpu: a boolean mask varying along BQK" in site.reason
+
+
+def flax_layer(q, k, v, padding):
+    """A flax nnx decoder's attention on a padded batch: `make_attention_mask(pad, pad)` (the
+    outer AND of query and key padding) combined with the causal mask, then
+    `nnx.dot_product_attention`."""
+    from flax import nnx
+
+    mask = nnx.combine_masks(nnx.make_attention_mask(padding, padding),
+                             nnx.make_causal_mask(padding))
+    return nnx.dot_product_attention(q, k, v, mask=mask)
+
+
+def _flax_args(length: int, dtype):
+    """q, k, v [B, L, H, D] (nnx's attention repeats no K/V heads) and padding [B, L]."""
+    q, _, _, padding = _args(length, dtype)
+    rng = np.random.default_rng(1)
+    k, v = (jnp.asarray(rng.standard_normal(q.shape), dtype) for _ in range(2))
+    return q, k, v, padding
+
+
+def test_query_padding_is_a_factor_of_its_own_and_takes_splash():
+    """flax's [B, 1, L, L] mask is causal ∧ query padding ∧ key padding: reported as those
+    three factors, splash takes it on TPU (queries as segment ids no key has), and cuDNN's
+    refusal names the factor it has no term for."""
+    report = hlotool.explain(flax_layer, *_flax_args(1024, jnp.bfloat16))
+    (site,) = report.sites
+    assert site.site.mask_text == "causal & query padding & key padding", str(report)
+    assert site.site.mask_axes == "BK"
+    assert site.kernels["tpu"] == "splash_tpu", site.reason
+    assert "cudnn: query padding unsupported (cudnn has none)" in site.reason
+    assert site.to_json()["site"]["query_padding"] is True
+
+
+def test_flax_query_and_key_padding_rewrites_with_outputs_and_gradients_equal():
+    _equal_to_jit(flax_layer, _flax_args(256, jnp.float32))
+
+
+def test_flax_query_and_key_padding_exports_to_splash_without_a_dense_mask():
+    _one_splash_call(flax_layer, _flax_args(2048, jnp.bfloat16))
+
+
+def _two_gemma2_layers(q, k, v, pad):
+    """A local (sliding window) layer, then a global one, both with KerasHub's mask."""
+    return gemma2_layer(gemma2_layer(q, k, v, pad, True), k, v, pad, False)
+
+
+def _two_flax_layers(q, k, v, pad):
+    return flax_layer(flax_layer(q, k, v, pad), k, v, pad)
+
+
+TRAIN_STEPS = {"KerasHub Gemma 2, local then global": (_two_gemma2_layers, _args),
+               "flax nnx, query and key padding": (_two_flax_layers, _flax_args)}
+
+
+@pytest.mark.parametrize("model, inputs", TRAIN_STEPS.values(), ids=TRAIN_STEPS.keys())
+@pytest.mark.sweep(keep=1)
+def test_every_layer_of_a_padded_train_step_exports_to_splash_forward_and_backward(
+        model, inputs):
+    """Two layers, a padded batch of 2, the gradient with respect to q, k and v taken inside
+    `flash_jit`: the TPU export holds splash's forward for each layer and its dK/dV and dQ
+    kernels for each, and nothing else that is a TPU kernel."""
+    def step(q, k, v, pad):
+        return jax.value_and_grad(
+            lambda q, k, v: jnp.sum(jnp.square(model(q, k, v, pad).astype(jnp.float32))),
+            argnums=(0, 1, 2))(q, k, v)
+
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs(1024, jnp.bfloat16)]
+    text = jax.export.export(jax.jit(hlotool.flash_jit(step)), platforms=["tpu"])(
+        *args).mlir_module()
+    names = sorted(re.findall(r'kernel_name = "(\w+?)_segmented', line)[0]
+                   for line in text.splitlines()
+                   if "stablehlo.custom_call @tpu_custom_call" in line)
+    assert names == ["splash_mha_dkv"] * 2 + ["splash_mha_dq"] * 2 + ["splash_mha_fwd"] * 2
+
+
+QUERY_MASKS = {
+    "query padding alone": dict(),
+    "with key padding and causal": dict(keys=True, causal=True),
+    "with key padding, finite fill": dict(keys=True, fill=-1e9),
+    "with a window, finfo.min fill": dict(window=(20, 0), fill=float(jnp.finfo(jnp.float32).min)),
+}
+
+
+@pytest.mark.parametrize("case", QUERY_MASKS.values(), ids=QUERY_MASKS.keys())
+@pytest.mark.sweep(keep=1)
+def test_kernels_taking_query_padding_match_the_mask_it_stands_for(case):
+    """A call's `query_mask` [B, Lq] means the mask [B, 1, Lq, 1] ANDed in: splash (interpret
+    mode) and chunked match the reference kernel given that dense mask, output and dq, dk, dv
+    within 1e-5 of the largest; row 0 of the batch hides a third of its queries, row 1 every
+    query past 100 (lengths not multiples of 128: the adapters pad)."""
+    from hlotool.kernels import get
+    from hlotool.kernels.splash_tpu import SplashTpu
+
+    opts = dict(case)
+    rng = np.random.default_rng(3)
+    lq, lk = 136, 200
+    q = jnp.asarray(rng.standard_normal((2, lq, 4, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, lk, 2, 64)), jnp.float32) for _ in range(2))
+    rows = jnp.asarray(np.stack([np.arange(lq) % 3 != 0, np.arange(lq) < 100]))
+    if opts.pop("keys", False):
+        opts["mask"] = jnp.asarray(np.stack([np.arange(lk) < 150, np.arange(lk) % 5 != 1]))[
+            :, None, None, :]
+    dense = dict(opts, mask=rows[:, None, :, None] & opts.get("mask", True))
+
+    def grads(kernel, options):
+        def loss(q, k, v):
+            out = kernel(q, k, v, scale=0.125, **options)
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    g_ref, o_ref = grads(get("reference"), dense)
+    for kernel in (SplashTpu(interpret=True), get("chunked")):
+        g, o = grads(kernel, dict(opts, query_mask=rows))
+        for got, want in zip((o, *g), (o_ref, *g_ref)):
+            scale = float(jnp.max(jnp.abs(want)))
+            assert float(jnp.max(jnp.abs(got - want))) / scale < 1e-5, kernel.name

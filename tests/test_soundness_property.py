@@ -168,6 +168,25 @@ def test_the_generated_programs_exercise_rewrites():
     assert OUTCOMES["native"] >= 20, OUTCOMES
 
 
+@pytest.mark.slow
+def test_generated_programs_split_over_a_ring_are_rewritten_exactly_or_left_native():
+    """The programs at L = 48 with kernel calls split over 3 host devices (the sequence as
+    ring attention where the ring takes the call): none wrong or crashed, some rewritten. A
+    subprocess: the host's device count is fixed when jax starts."""
+    import os
+    import subprocess
+    import sys
+
+    fuzz = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "soundness_fuzz.py")
+    done = subprocess.run([sys.executable, fuzz, "--examples", "60", "--mode", "ring",
+                           "--fast-compile", "--seed", "48"], capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    totals = next(line for line in done.stdout.splitlines() if line.startswith("all "))
+    wrong, crashed, native, rewritten, overflowed = map(int, totals.split()[1:])
+    assert wrong == crashed == 0 and rewritten >= 10, totals
+
+
 # Programs the fuzz benchmark once judged wrong, each with what was wrong.
 FOUND = [
     pytest.param(Program(

@@ -322,8 +322,8 @@ def test_tpu_kernels_take_what_their_supports_says():
 
     assert SplashTpu().supports(dataclasses.replace(site, softcap=None, **padded))
     why = SplashTpu().supports(dataclasses.replace(site, softcap=None, **per_query)).reason
-    assert why == ("a boolean mask varying along BQK (splash takes causal masks and key "
-                   "padding; pallas_tpu takes any mask)")
+    assert why == ("a boolean mask varying along BQK (splash takes causal masks, key and "
+                   "query padding; pallas_tpu takes any mask)")
 
 
 # Splash in Pallas' interpret mode against the reference kernel (the semantics).

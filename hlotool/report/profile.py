@@ -135,9 +135,11 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
     if not report.sites:
         return FunctionProfile(f.name, repeats, note="no attention site")
     if not any(s.kernels.get("cpu") for s in report.sites):
-        reasons = "; ".join(dict.fromkeys(s.reason for s in report.sites))
+        # The cpu's own verdict: the other platforms' are not what this host would run.
+        reasons = "; ".join(dict.fromkeys(s.choices["cpu"].reason if "cpu" in s.choices
+                                          else s.reason for s in report.sites))
         return FunctionProfile(f.name, repeats,
-                               note=f"flash_jit keeps every site native on the cpu ({reasons})")
+                               note=f"flash_jit keeps every site native on the cpu: {reasons}")
     arrays = _args(f)
     traces = {side: os.path.join(trace_dir, f.file_stem, side)
               for side in ("native", "rewritten")}
