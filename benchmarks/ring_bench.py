@@ -7,7 +7,7 @@ outputs, temporaries, their sum, and the ratio of the sums; the collectives each
 holds. The ring's step is run at --length and timed (the native one is compiled only: at 32K
 its share of the scores alone is B·H·L²/8 floats per device, past this host's memory); the
 two are compared at --check-length: loss and gradients, largest difference over largest
-value.
+value, and the step's time (median of 3).
 
     python benchmarks/ring_bench.py                       # L = 32768, check at 2048
     python benchmarks/ring_bench.py --length 8192 --check-length 1024
@@ -106,6 +106,16 @@ def main(argv=None) -> int:
     print(f"at L={a.check_length}: loss {float(l_n):.6f} vs {float(l_r):.6f} (|Δ| "
           f"{abs(float(l_n) - float(l_r)):.2e}); gradients, largest |Δ| / largest |g| over "
           f"{len(errors)} arrays: {max(errors):.2e}")
+    steps = {name: [] for name in programs}  # both compiled above; median of 3, alternating
+    for _ in range(3):
+        for name, fn in programs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(params, x))
+            steps[name].append(time.perf_counter() - start)
+    native, ring = (sorted(t)[1] for t in steps.values())
+    print(f"step time at L={a.check_length} (median of 3, this host's {DEVICES} devices share "
+          f"its cores): native {native:.2f} s, ring {ring:.2f} s, native / ring ×"
+          f"{native / ring:.2f}")
     return 0
 
 

@@ -217,3 +217,20 @@ def test_no_trace_is_one_line(tmp_path):
     (run_dir / "host.trace.json.gz").write_bytes(b"not gzip")
     with pytest.raises(trace.TraceUnreadable, match="cannot read the trace in .*host.trace"):
         trace.read_events(str(tmp_path))
+
+
+def test_a_function_kept_native_on_the_cpu_gives_the_cpu_s_verdict(tmp_path):
+    """A 64×64 site stays native on the host: the note is the cpu's own verdict, not every
+    platform's joined."""
+    from hlotool.report.profile import profile_function
+
+    def attend(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    x = jnp.ones((1, 64, 2, 32), jnp.float32)
+    (captured,) = capture_function(jax.jit(attend), x, x, x)
+    note = profile_function(captured, str(tmp_path)).note
+    assert note.startswith("flash_jit keeps every site native on the cpu: keep native (short "
+                           "sequence: Lq=64, Lk=64"), note
+    assert "tpu" not in note and "cuda" not in note, note
