@@ -76,7 +76,8 @@ def split_note(mesh: Any, site: AttentionSite) -> str:
              for name, axes in (("batch", batch), ("heads", heads)) if axes]
     if seq:
         parts.append(f"sequence over mesh axis {seq} ({mesh.shape[seq]} devices) as ring "
-                     "attention: K/V blocks passed round, none gathered")
+                     "attention: K/V blocks passed round, none gathered, each step in the "
+                     "chunked kernel")
     elif why:
         parts.append(f"not the sequence as a ring ({why}): a mesh axis left over holds the "
                      "call whole")

@@ -130,7 +130,8 @@ def test_the_ring_says_what_it_splits_and_refuses_by_name():
                          mask="causal")
     assert split_note(Mesh, site) == (
         "on the mesh: batch over mesh axes data; sequence over mesh axis seq (8 devices) as "
-        "ring attention: K/V blocks passed round, none gathered")
+        "ring attention: K/V blocks passed round, none gathered, each step in the chunked "
+        "kernel")
     windowed = dataclasses.replace(site, window=(128, 0))
     assert split_note(Mesh, windowed) == (
         "on the mesh: batch over mesh axes data; not the sequence as a ring (a sliding window "
