@@ -305,11 +305,15 @@ lowered.compile()
 def test_ctrl_c_ends_the_process_at_once(tmp_path, script):
     path = tmp_path / "slow.py"
     path.write_text(script)
+    # Started as a terminal starts it, SIGINT at its default: a shell without job control
+    # starts background commands with SIGINT ignored, which a child inherits, and Python
+    # then leaves it ignored (the suite run as `(pytest … &)` failed here by timeout).
     proc = subprocess.Popen([sys.executable, "-m", "hlotool", "inspect", str(path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    # stderr read to its end by a thread: a pipe left unread fills, and a process blocked
-    # writing to it (XLA's warnings on a loaded machine) cannot exit however it is told to.
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # stderr read to its end by a thread: a child blocked writing to a full pipe could not
+    # exit however it is told to.
     lines, started = [], threading.Event()
 
     def drain():
