@@ -5,7 +5,8 @@ Inside a `shard_map` body over that axis (n devices, `sharded.on_mesh` sets it u
 holds query block r and key/value block r ([B, L/n, H, D] each). The key/value blocks travel
 round the ring (`lax.ppermute` to r + 1), one step per device: at step s device r sees block
 (r - s) mod n, runs the chunked kernel's forward on it, and merges the step's output into its
-own by each row's max and normalizer. Per device, memory is O(L/n) and no [L/n, L] score block exists.
+own by each row's max and normalizer. Per device, memory is O(L/n) and no [L/n, L] score
+block exists.
 
 A causal mask (top-left, Lq = Lk) makes block (r, c) fully visible below the diagonal (c < r),
 causal on it and hidden above it: a hidden block is not computed; under a finite fill its keys
@@ -80,9 +81,9 @@ def _block(length: int) -> int | None:
 
 def attend(call: Call, axis: str, n: int) -> jax.Array:
     """[B, L/n, Hq, Dv] for the local blocks of `call` (inside a shard_map body over `axis`,
-    `refusal(call.site(), n)` None). Key lengths become key padding; rows that see no key are zeros
-    under a -inf fill, as every kernel gives them."""
-    b, lk = call.k.shape[0], call.k.shape[1]
+    `refusal(call.site(), n)` None). Key lengths become key padding; rows that see no key
+    are zeros under a -inf fill, as every kernel gives them."""
+    lk = call.k.shape[1]
     keys = call.mask
     if call.kv_lengths is not None:  # positions of this device's block of keys
         start = lax.axis_index(axis) * lk
@@ -95,7 +96,8 @@ def attend(call: Call, axis: str, n: int) -> jax.Array:
     return out.astype(call.result_dtype)
 
 
-def _static(ring: _Ring, lk: int, band, q) -> object:
+def _static(ring: _Ring, lk: int, band, q):
+    """The chunked kernel's constants for one step: the ring's tile, `band` (None or causal)."""
     from hlotool.kernels.chunked import _Static
 
     return _Static(ring.block, ring.block, lk, band, ring.fill, ring.scale,
@@ -107,8 +109,9 @@ def _to5(mask):
 
 
 def _pass_on(x, ring: _Ring):
+    """Every array of `x` to the next device of the ring (None stays None)."""
     perm = [(r, (r + 1) % ring.n) for r in range(ring.n)]
-    return jax.tree.map(lambda a: None if a is None else lax.ppermute(a, ring.axis, perm), x)
+    return jax.tree.map(lambda a: lax.ppermute(a, ring.axis, perm), x)
 
 
 def _forward(q, k, v, keys, query_mask, q_ids, kv_ids, ring: _Ring):
@@ -173,8 +176,12 @@ def _merge(one, other):
     w = jnp.where(l > 0, l * jnp.exp(m - top), 0.0)
     w_s = jnp.where(l_s > 0, l_s * jnp.exp(m_s - top), 0.0)
     total = w + w_s
-    weigh = lambda x: jnp.moveaxis(x / jnp.where(total > 0, total, 1.0), 3, 1)[..., None]  # noqa: E731
-    return out * weigh(w) + o_s * weigh(w_s), top, total
+    safe = jnp.where(total > 0, total, 1.0)
+
+    def share(x):  # [B, Hkv, G, L] → [B, L, Hkv, G, 1], as out is laid out
+        return jnp.moveaxis(x / safe, 3, 1)[..., None]
+
+    return out * share(w) + o_s * share(w_s), top, total
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
