@@ -305,13 +305,17 @@ lowered.compile()
 def test_ctrl_c_ends_the_process_at_once(tmp_path, script):
     path = tmp_path / "slow.py"
     path.write_text(script)
-    # Started as a terminal starts it, SIGINT at its default: a shell without job control
-    # starts background commands with SIGINT ignored, which a child inherits, and Python
-    # then leaves it ignored (the suite run as `(pytest … &)` failed here by timeout).
-    proc = subprocess.Popen([sys.executable, "-m", "hlotool", "inspect", str(path)],
+    # `python -m hlotool` with Python's own SIGINT handler, as a terminal starts it: a shell
+    # without job control starts background commands with SIGINT ignored, which a child
+    # inherits and Python then leaves ignored (the suite run as `(pytest … &)` failed here
+    # by timeout). Set in the child's first line, not in a preexec_fn: forking a process
+    # that runs jax's threads warns of deadlocks.
+    launch = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
+              " sys.argv = ['hlotool', 'inspect', sys.argv[1]];"
+              " runpy.run_module('hlotool', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", launch, str(path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
     # stderr read to its end by a thread: a child blocked writing to a full pipe could not
     # exit however it is told to.
     lines, started = [], threading.Event()
