@@ -745,6 +745,12 @@ def row_has_key(call: Call) -> jax.Array | None:
     return jnp.any(visible_keys(call), axis=-1, keepdims=True)
 
 
+def key_mask(call: Call) -> jax.Array:
+    """bool [B|1, Lk]: the key mask of a call whose mask varies along batch and keys only."""
+    mask = call.mask
+    return jnp.broadcast_to(mask, (mask.shape[0], 1, 1, call.k.shape[1]))[:, 0, 0]
+
+
 def _kept_keys(call: Call) -> jax.Array | None:
     """bool [B|1, Lk]: the keys a call keeps where what hides them varies along the keys
     alone (key padding, kv_lengths; no segment ids); None otherwise or without either."""
@@ -753,7 +759,7 @@ def _kept_keys(call: Call) -> jax.Array | None:
             mask is None and call.kv_lengths is None):
         return None
     lk = call.k.shape[1]
-    keys = None if mask is None else jnp.broadcast_to(mask[:, 0, 0, :], (mask.shape[0], lk))
+    keys = None if mask is None else key_mask(call)
     if call.kv_lengths is not None:
         within = jnp.arange(lk)[None, :] < call.kv_lengths[:, None]
         keys = within if keys is None else keys & within

@@ -42,6 +42,7 @@ from hlotool.kernels.base import (
     KernelCost,
     Support,
     flash_cost,
+    key_mask,
     soft_fill_refusal,
 )
 from hlotool.site import AttentionSite, band_of
@@ -63,17 +64,11 @@ def _window_refusal(band: tuple[int | None, int | None] | None) -> str | None:
     return f"sliding window with {side} unsupported (cuDNN's windows end at the query)"
 
 
-def _key_mask(call: Call) -> jax.Array:
-    """bool [B|1, Lk]: the key mask of a call whose mask varies along batch and keys only."""
-    mask = call.mask
-    return jnp.broadcast_to(mask, (mask.shape[0], 1, 1, call.k.shape[1]))[:, 0, 0]
-
-
 def lengths_are_exact(call: Call) -> jax.Array:
     """bool scalar: whether key lengths stand exactly for the call's key mask: it keeps a
     prefix of the keys in every batch row, and the values it hides are finite (the naive
     program's 0·NaN there is NaN, which hiding them as padding would not give)."""
-    keep = _key_mask(call)
+    keep = key_mask(call)
     kept = jnp.sum(keep, axis=-1, keepdims=True)
     prefixes = jnp.all(keep == (jnp.arange(keep.shape[-1]) < kept))
     finite = jnp.all(jnp.isfinite(call.v) | keep[:, :, None, None])
@@ -85,7 +80,7 @@ def _as_lengths(call: Call) -> Call:
     `lengths_are_exact`), combined with the lengths it has."""
     if call.mask is None:
         return call
-    lengths = jnp.broadcast_to(jnp.sum(_key_mask(call), axis=-1, dtype=jnp.int32),
+    lengths = jnp.broadcast_to(jnp.sum(key_mask(call), axis=-1, dtype=jnp.int32),
                                (call.q.shape[0],))
     if call.kv_lengths is not None:
         lengths = jnp.minimum(lengths, call.kv_lengths.astype(jnp.int32))

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hlotool.kernels import chunked
 from hlotool.kernels.base import Call
 from hlotool.site import CAUSAL, AttentionSite
 
@@ -98,9 +99,7 @@ def attend(call: Call, axis: str, n: int) -> jax.Array:
 
 def _static(ring: _Ring, lk: int, band, q):
     """The chunked kernel's constants for one step: the ring's tile, `band` (None or causal)."""
-    from hlotool.kernels.chunked import _Static
-
-    return _Static(ring.block, ring.block, lk, band, ring.fill, ring.scale,
+    return chunked._Static(ring.block, ring.block, lk, band, ring.fill, ring.scale,
                    scale_q=jnp.dtype(q.dtype).itemsize >= 4, softcap=ring.softcap)
 
 
@@ -118,8 +117,6 @@ def _forward(q, k, v, keys, query_mask, q_ids, kv_ids, ring: _Ring):
     """out [B, L/n, Hkv, G, Dv] (f32, normalized), each row's max and normalizer [B, Hkv, G,
     L/n] (-inf and 0 for a row that saw no key). Merged as (max, normalizer), not as a
     log-sum-exp: at a fill of finfo.min, fill + log(count) rounds back to the fill."""
-    from hlotool.kernels import chunked
-
     b, lq, hq, d = q.shape
     hkv, dv = k.shape[2], v.shape[3]
     q5 = q.reshape(b, lq, hkv, hq // hkv, d)
@@ -186,9 +183,7 @@ def _merge(one, other):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _ring(q, k, v, keys, query_mask, q_ids, kv_ids, ring: _Ring):
-    out = _forward(q, k, v, keys, query_mask, q_ids, kv_ids, ring)[0]
-    b, lq, hq, _ = q.shape
-    return out.reshape(b, lq, hq, -1)
+    return _ring_fwd(q, k, v, keys, query_mask, q_ids, kv_ids, ring)[0]
 
 
 def _ring_fwd(q, k, v, keys, query_mask, q_ids, kv_ids, ring):
@@ -198,8 +193,6 @@ def _ring_fwd(q, k, v, keys, query_mask, q_ids, kv_ids, ring):
 
 
 def _ring_bwd(ring, residuals, d_out):
-    from hlotool.kernels import chunked
-
     q, k, v, keys, query_mask, q_ids, kv_ids, out, m, l = residuals
     b, lq, hq, d = q.shape
     hkv = k.shape[2]

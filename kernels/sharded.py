@@ -54,24 +54,25 @@ def mesh_split(mesh: Any, batch: int, q_heads: int, kv_heads: int
     return tuple(on_batch), tuple(on_heads)
 
 
-def sequence_axis(mesh: Any, site: AttentionSite, taken: tuple[str, ...]
-                  ) -> tuple[str | None, str]:
-    """The mesh axis a ring over the sequence runs along: the first of size > 1 that splits
-    neither batch nor heads (`taken`), where `ring.refusal` takes the site split that many
-    ways; else None and why not ("" where no axis is left)."""
+def split(mesh: Any, site: AttentionSite
+          ) -> tuple[tuple[str, ...], tuple[str, ...], str | None, str]:
+    """How a call of `site` is split over `mesh`: the axes splitting the batch and the heads
+    (`mesh_split`), the axis a ring over the sequence runs along (the first left over, of
+    size > 1, where `ring.refusal` takes the site split that many ways), and why no ring
+    where an axis is left over but the ring refuses ("" otherwise)."""
+    batch, heads = mesh_split(mesh, site.batch, site.num_q_heads, site.num_kv_heads)
     for axis, size in mesh.shape.items():
-        if size > 1 and axis not in taken:
+        if size > 1 and axis not in batch + heads:
             why = ring.refusal(site, size)
-            return (axis, "") if why is None else (None, why)
-    return None, ""
+            return batch, heads, (axis if why is None else None), why or ""
+    return batch, heads, None, ""
 
 
 def split_note(mesh: Any, site: AttentionSite) -> str:
     """How a kernel call of `site` is split over `mesh`, for reports ("" where it is not)."""
     if mesh is None:
         return ""
-    batch, heads = mesh_split(mesh, site.batch, site.num_q_heads, site.num_kv_heads)
-    seq, why = sequence_axis(mesh, site, batch + heads)
+    batch, heads, seq, why = split(mesh, site)
     parts = [f"{name} over mesh axes {', '.join(axes)}"
              for name, axes in (("batch", batch), ("heads", heads)) if axes]
     if seq:
@@ -90,8 +91,7 @@ def on_mesh(run: Callable[[Call], jax.Array], call: Call, mesh: Any) -> jax.Arra
     the ring takes the call (else that axis replicates it)."""
     if mesh is None:
         return run(call)
-    batch, heads = mesh_split(mesh, call.q.shape[0], call.q.shape[2], call.k.shape[2])
-    seq, _ = sequence_axis(mesh, call.site(), batch + heads)
+    batch, heads, seq, _ = split(mesh, call.site())
     if not (batch or heads or seq):
         return run(call)
     if isinstance(call.post_mask, DrawnMask):  # its tiles count positions of the whole call

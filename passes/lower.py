@@ -279,7 +279,9 @@ def operands(form: KernelForm, site: JaxprSite, values: Mapping[Any, jax.Array],
         return call, After(factors=factors)
     if call.bias is None:  # O(L) where the mask allows (`row_has_key`)
         has = row_has_key(call)
-        empty = jnp.zeros((1, 1, 1, 1), bool) if has is None else ~has
+        if has is None:  # every row sees a key
+            return call, After(factors=factors)
+        empty = ~has
     else:
         live = visible_keys(call)
         finite = call.bias > -jnp.inf
