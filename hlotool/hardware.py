@@ -15,6 +15,20 @@ reproduces XLA:CPU's naive attention at L=4096, whose exp/reduce loops and page 
 well below DRAM speed): 107–142 GFLOP/s, 1.35–1.61 G scores/s and 1.74–1.80 GB/s across the
 processes; the row holds the medians. They are what XLA achieves on this host, not the
 silicon's peak; another host should re-measure them.
+
+Links between chips (`link_bandwidth`, `link_latency`, `link_ways`) price a sequence split over
+devices (`hlotool.cost.split`): what one chip sends its neighbour on a ring along one mesh axis.
+TPUs: the Cloud TPU pages give the bidirectional ICI bandwidth per chip and its ports; one port
+one way is that over 2 × ports (v5e 400 GB/s over 4 ports: 50 GB/s, as the scaling book's
+W_ici = 9e10 B/s bidirectional per link for v5e), and an axis of the torus has a neighbour each
+way, which an all-gather uses both of. GPUs: NVLink to the NVSwitch, half the datasheet's
+bidirectional figure each way, one path out of the GPU whichever peer it reaches. The hop
+latency, 1 µs, is the figure the TPU team gave ASTRA-sim for ICI and a usual one for NVLink.
+`cpu`: host devices of one process, whose "link" is a memory copy: half the row's measured
+bandwidth (a copy reads and writes each byte), 0.89 GB/s; passing 4 MiB per device round 8
+host devices with `lax.ppermute` measured 0.57-0.71 GB/s per device here. Each collective there
+is one rendezvous of the devices' threads: 200-270 µs for an 8-device `ppermute` or
+`all_gather` of 32 bytes on this 2-core VM, which is `link_latency`.
 """
 
 from __future__ import annotations
@@ -27,6 +41,9 @@ from hlotool.errors import HlotoolError, lookup
 _TPU_INFO = "jax/_src/pallas/mosaic/tpu_info.py (jax 0.10.2)"
 _CLOUD_TPU = "cloud.google.com/tpu/docs/system-architecture-tpu-vm"
 _CUDA_GUIDE = "CUDA C++ Programming Guide, compute capabilities table (shared memory per SM)"
+_ICI_LATENCY = ("astra-sim.github.io/astra-sim-docs/validation/hardware/tpu-validation.html: "
+                "ICI link latency 1 us, as per the TPU team")
+_NVLINK_LATENCY = "impala-blog.pages.dev/widgets/comm-roofline: NVLink hop latency ~1 us"
 
 
 class UnknownHardwareError(HlotoolError):
@@ -51,6 +68,10 @@ class Hardware:
     sum) where it runs after the matmuls instead of beside them: XLA:CPU's loops (measured,
     `measure_host`). None on TPUs and GPUs, whose exp units work beside the matrix unit, so a
     tiled kernel hides the softmax under its matmuls.
+    link_bandwidth: bytes/s one chip sends to its neighbour on a ring along one mesh axis, one
+    way (ICI port, NVLink, a host memory copy). link_latency: seconds each transfer adds (per
+    hop; on `cpu` per collective). link_ways: the directions an all-gather sends in at once
+    (2 on a TPU torus axis: both neighbours).
     """
 
     name: str
@@ -67,6 +88,9 @@ class Hardware:
     device_kind: str | None = None
     attention_block: int | None = None
     softmax_rate: float | None = None
+    link_bandwidth: float = 0.0
+    link_latency: float = 0.0
+    link_ways: int = 1
 
     def peak_flops(self, dtype: str) -> float:
         """Matmul FLOP/s for operands of `dtype` (float16 falls back to the bfloat16 figure)."""
@@ -90,19 +114,24 @@ _BLOCKS_512 = "axlearn FlashAttention.Config.tpu_block_size and maxtext sa_block
 _BLOCKS_V6E = "apple/axlearn#958: splash block size 1024 on v6e, 1/3 faster than 512"
 
 
-def _tpu(name, description, bf16, hbm, bw, vmem, width, target, kind, block,
+def _tpu(name, description, bf16, hbm, bw, vmem, width, target, kind, block, ici,
          extra=()) -> Hardware:
-    # TPU f32 dots at default precision run as one bf16 pass: same peak as bf16.
+    # TPU f32 dots at default precision run as one bf16 pass: same peak as bf16. ici: (bytes/s
+    # one port sends one way, its source).
     return Hardware(name, description, "tpu", {"bfloat16": bf16, "float32": bf16}, hbm, bw,
                     vmem, "VMEM per TensorCore", width, target,
                     (_TPU_INFO, _CLOUD_TPU, _BLOCKS_V6E if block > 512 else _BLOCKS_512,
-                     *extra), kind, block)
+                     ici[1], _ICI_LATENCY, *extra), kind, block,
+                    link_bandwidth=ici[0], link_latency=1e-6, link_ways=2)
 
 
-def _gpu(name, description, bf16, tf32, hbm, bw, smem, source) -> Hardware:
-    # Tensor-core dots have 16-wide k fragments: smaller head dims waste the unit.
+def _gpu(name, description, bf16, tf32, hbm, bw, smem, nvlink, source) -> Hardware:
+    # Tensor-core dots have 16-wide k fragments: smaller head dims waste the unit. nvlink:
+    # the datasheet's bidirectional NVLink bytes/s, half of it each way.
     return Hardware(name, description, "cuda", {"bfloat16": bf16, "float32": tf32}, hbm, bw,
-                    smem, "shared memory per SM", 16, None, (source, _CUDA_GUIDE))
+                    smem, "shared memory per SM", 16, None,
+                    (source, _CUDA_GUIDE, _NVLINK_LATENCY),
+                    link_bandwidth=nvlink / 2, link_latency=1e-6)
 
 
 _KIB, _MIB = 1024, 1024 * 1024
@@ -115,26 +144,39 @@ HARDWARE: dict[str, Hardware] = {
             "cpu", {"float32": 112e9, "bfloat16": 112e9}, 24 * 1024**3, 1.77e9,
             1 * _MIB, "L2 per core", 1, "cpu",
             ("measured: benchmarks/cost_vs_measured.py --calibrate (median of 5 processes, "
-             "jax 0.10.2)",), softmax_rate=1.54e9,
+             "jax 0.10.2)", "link: half the measured bandwidth (a copy); latency measured "
+             "(module docstring)"), softmax_rate=1.54e9, link_bandwidth=1.77e9 / 2,
+            link_latency=2e-4,
         ),
         # tpu_info: v4 has 2 TensorCores in megacore; per chip 275 TF, 1.23 TB/s, 32 GiB.
         _tpu("tpu-v4", "TPU v4, one chip (megacore)", 2.75e14, 34_400_000_000, 1.23e12,
-             16 * _MIB, 128, None, "TPU v4", 512),
+             16 * _MIB, 128, None, "TPU v4", 512,
+             (50e9, "glennklockwood.com/garden/processors/TPUv4 (from the TPU v4 ISCA 2023 "
+                    "paper): ICI 400 Gb/s each direction per link")),
         _tpu("tpu-v5e", "TPU v5e, one chip", 1.97e14, 17_200_000_000, 8.20e11, 128 * _MIB,
-             128, "tpu-v5e", "TPU v5 lite", 512),
+             128, "tpu-v5e", "TPU v5 lite", 512,
+             (50e9, "cloud.google.com/tpu/docs/v5e: ICI 400 GBps bidirectional per chip, 4 "
+                    "ports")),
         # tpu_info says 2.46e12 B/s for v5p; the Cloud TPU v5p page says 2,765 GB/s. The
         # lower figure is what jax's own kernels tune for, so it is the one used here.
         _tpu("tpu-v5p", "TPU v5p, one chip (megacore)", 4.59e14, 103_000_000_000, 2.46e12,
              64 * _MIB, 128, "tpu-v5p", "TPU v5", 512,
+             (100e9, "cloud.google.com/tpu/docs/v5p: ICI 1200 GBps bidirectional per chip, "
+                     "3D torus (6 ports)"),
              ("cloud.google.com/tpu/docs/v5p: 2,765 GB/s HBM",)),
         _tpu("tpu-v6e", "TPU v6e, one chip", 9.20e14, 34_400_000_000, 1.64e12, 128 * _MIB,
-             256, "tpu-v6e", "TPU v6 lite", 1024),
+             256, "tpu-v6e", "TPU v6 lite", 1024,
+             (100e9, "cloud.google.com/tpu/docs/v6e: ICI 800 GBps bidirectional per chip, 4 "
+                     "ports")),
+        # NVLink: A100 12 links, H100 and H200 18 links of 50 GB/s (bidirectional) each.
         _gpu("a100", "NVIDIA A100 SXM 80GB", 312e12, 156e12, 80 * 10**9, 2.039e12, 164 * _KIB,
-             "NVIDIA A100 datasheet (SXM4 80GB)"),
+             600e9, "NVIDIA A100 datasheet (SXM4 80GB; NVLink 600 GB/s)"),
         _gpu("h100", "NVIDIA H100 SXM5 80GB", 989e12, 494.5e12, 80 * 10**9, 3.35e12,
-             228 * _KIB, "NVIDIA H100 datasheet (SXM5)"),
+             228 * _KIB, 900e9, "NVIDIA H100 datasheet (SXM5; NVLink 900 GB/s; NVIDIA/nccl#1264 "
+             "measured 380 of 450 GB/s one way)"),
         _gpu("h200", "NVIDIA H200 SXM 141GB", 989e12, 494.5e12, 141 * 10**9, 4.8e12,
-             228 * _KIB, "NVIDIA H200 datasheet (SXM)"),
+             228 * _KIB, 900e9, "NVIDIA H200 datasheet (SXM; NVLink 900 GB/s: mlcommons "
+             "inference v4.1 H200-SXM-141GBx8: 18x 4th Gen NVLink, 900GB/s)"),
     )
 }
 

@@ -6,7 +6,9 @@ partitioned"), so a program sharded over a mesh runs each kernel call per shard:
 axis over mesh axes that divide it, the heads over axes that divide both the query and the
 key/value heads (each shard keeps whole GQA groups). A mesh axis left over splits the
 sequence: each device keeps its block of queries and the key/value blocks go round the ring,
-where `ring.refusal` takes the call; elsewhere that axis replicates the call.
+where `ring.refusal` takes the call; elsewhere that axis replicates the call. Whether the ring
+pays against XLA's all-gather is priced above this layer (`hlotool.cost.split`): with
+`kernel="auto"` flash_jit keeps such a site native where it does not.
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ def mesh_split(mesh: Any, batch: int, q_heads: int, kv_heads: int
     return tuple(on_batch), tuple(on_heads)
 
 
+def left_over(mesh: Any, batch: Sequence[str], heads: Sequence[str]) -> str | None:
+    """The first mesh axis of size > 1 that splits neither the batch nor the heads: the one a
+    ring over the sequence runs along; None where there is none."""
+    return next((axis for axis, size in mesh.shape.items()
+                 if size > 1 and axis not in (*batch, *heads)), None)
+
+
 def split(mesh: Any, site: AttentionSite
           ) -> tuple[tuple[str, ...], tuple[str, ...], str | None, str]:
     """How a call of `site` is split over `mesh`: the axes splitting the batch and the heads
@@ -61,11 +70,9 @@ def split(mesh: Any, site: AttentionSite
     size > 1, where `ring.refusal` takes the site split that many ways), and why no ring
     where an axis is left over but the ring refuses ("" otherwise)."""
     batch, heads = mesh_split(mesh, site.batch, site.num_q_heads, site.num_kv_heads)
-    for axis, size in mesh.shape.items():
-        if size > 1 and axis not in batch + heads:
-            why = ring.refusal(site, size)
-            return batch, heads, (axis if why is None else None), why or ""
-    return batch, heads, None, ""
+    axis = left_over(mesh, batch, heads)
+    why = None if axis is None else ring.refusal(site, mesh.shape[axis])
+    return batch, heads, (None if why else axis), why or ""
 
 
 def split_note(mesh: Any, site: AttentionSite) -> str:

@@ -86,6 +86,32 @@ def test_rewrite_prices_a_split_program_per_device(tmp_path):
     assert "L×L buffers 0 →" not in site and "L×L buffers" in site, site
 
 
+def test_cost_prices_the_all_gather_against_the_ring_per_device(tmp_path):
+    """Per target, one device's figures for both strategies, from the shapes: the all-gather
+    brings in 7/8 of K and V, the ring holds less; at L = 512 over 8 devices the host's ring
+    pays (7 rendezvous against the naive [64, 512] share), v5p's links do not (its all-gather
+    sends both ways round the torus)."""
+    done = _hlotool(tmp_path, "cost", "--json", "--no-xla", "--target", "cpu",
+                    "--target", "tpu-v5p")
+    assert done.returncode == 0, done.stderr
+    (site,) = json.loads(done.stdout)["sites"]
+    kv = 2 * B * L * H * D * 4
+    for target, choice in (("cpu", "ring"), ("tpu-v5p", "all-gather")):
+        priced = site["targets"][target]["sequence_split"]
+        assert priced["devices"] == 8 and priced["choice"] == choice, priced
+        gather, ring = priced["all_gather"], priced["ring"]
+        assert gather["link_bytes"] == kv * 7 // 8 == ring["link_bytes"]
+        assert ring["memory_bytes"] < gather["memory_bytes"]
+        assert gather["seconds"] == gather["link_seconds"] + gather["compute_seconds"]
+    table = _hlotool(tmp_path, "cost", "--no-xla", "--target", "cpu", "--target", "tpu-v5p")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.replace("\n    ", " ").splitlines()
+    cpu = next(line for line in lines if line.startswith("1 cpu: sequence over 8 devices"))
+    assert "all-gather" in cpu and "ring" in cpu and "→ ring (ring ×" in cpu, cpu
+    v5p = next(line for line in lines if line.startswith("1 tpu-v5p: sequence over 8"))
+    assert "→ all-gather (all-gather ×" in v5p, v5p
+
+
 RING = textwrap.dedent("""
     import json, re, sys
     from hlotool.api import rewrite_captured

@@ -2,7 +2,8 @@
 
 Three sources, side by side: the analytic model (`model`), XLA's own analyses of compiled
 programs (`xla`), and measurements on this host (`measure`); `verdict` decides per site and
-chip whether the kernel pays.
+chip whether the kernel pays. `split` prices a sequence split over devices: XLA's all-gather
+against ring attention, per device.
 """
 
 from typing import Any

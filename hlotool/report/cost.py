@@ -14,12 +14,13 @@ from typing import Any
 import click
 from rich.text import Text
 
-from hlotool.cost import xla
+from hlotool.cost import split, xla
 from hlotool import kernels
 from hlotool.cost.decision import choose
 from hlotool.cost.measure import measure
 from hlotool.errors import HlotoolError, write_output
 from hlotool.hardware import get_hardware
+from hlotool.kernels.sharded import mesh_of
 from hlotool.report.console import Term, progress
 from hlotool.report.fit import does_not_fit
 from hlotool.report.table import fit_table
@@ -48,11 +49,12 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
     with progress(f"pricing {len(sites)} site(s) on {', '.join(names)}"):
         with progress(f"compiling {len(functions)} function(s) for XLA:TPU's own fusion"):
             fused = _fusion_in_program(functions, sites, names) if with_xla and sites else None
+        meshes = {f.name: _mesh(f) for f in functions}
         for i, (s, f) in enumerate(zip(sites, fused or [None] * len(sites)), 1):
             with progress(f"pricing site {i} of {len(sites)} on {', '.join(names)}"):
                 entries.append(site_entry(s, names, with_xla=with_xla, with_measure=measure,
                                           backward=trained.get(s.function, backward),
-                                          native_fused=f))
+                                          native_fused=f, mesh=meshes.get(s.function)))
     if plot_path and sites:
         _write_plot(plot_path, sites, names, force, any(trained.values()), with_xla)
         click.echo(f"wrote {plot_shown or plot_path}", err=True)
@@ -85,7 +87,25 @@ def cost_report(path: str, functions: Sequence, targets: Sequence[str], *, as_js
               f"priced for {priced}. {'; '.join(legend)}")
     return "\n".join([term.wrap(header), fitted.text, *(
         term.wrap(f"{note}", f"[{n}] ", " " * (len(str(n)) + 3))
-        for n, note in enumerate(notes, 1))])
+        for n, note in enumerate(notes, 1)), *_split_lines(entries, term)])
+
+
+def _mesh(function: Any) -> Any:
+    """The mesh the script's run split `function` over, or None (run on one device)."""
+    return mesh_of((), function.shardings) if function.shardings else None
+
+
+def _split_lines(entries: Sequence[dict[str, Any]], term: Term) -> list[str]:
+    """Per site and target whose sequence the run's mesh splits: all-gather against ring, per
+    device, and which pays ("1 cpu: sequence over 8 devices: all-gather … → ring (why)")."""
+    lines = [term.wrap(f"{i} {name}: {t['sequence_split']['summary']} "
+                       f"({t['sequence_split']['why']})", "", "    ")
+             for i, e in enumerate(entries, 1) for name, t in e["targets"].items()
+             if "sequence_split" in t]
+    if not lines:
+        return []
+    return ["Sequence split over the run's mesh, per device (all-gather: XLA's native program; "
+            "ring: flash_jit's ring attention):", *lines]
 
 
 def _fusion_in_program(functions: Sequence, sites: Sequence, names: Sequence[str]
@@ -131,8 +151,11 @@ def _write_plot(path: str, sites: Sequence[AttentionSite], names: Sequence[str],
 
 def site_entry(site: AttentionSite, targets: Sequence[str], *, with_xla: bool = True,
                with_measure: bool = False, backward: bool = False,
-               native_fused: Mapping[str, bool] | None = None) -> dict[str, Any]:
-    """One site's entry: per target the verdict (with analytic figures) and XLA's numbers.
+               native_fused: Mapping[str, bool] | None = None,
+               mesh: Any = None) -> dict[str, Any]:
+    """One site's entry: per target the verdict (with analytic figures) and XLA's numbers;
+    where `mesh` (the run's) splits the site's sequence, all-gather against ring per device
+    on the target's chip (`sequence_split`, `hlotool.cost.split`).
 
     native_fused: per target name, whether the program XLA compiled for it runs this site as
     its own online-softmax call (`hlotool.passes.native`); a target left out is asked with a
@@ -155,6 +178,9 @@ def site_entry(site: AttentionSite, targets: Sequence[str], *, with_xla: bool = 
                                           else "XLA:CPU has no attention fusion")
         if name in seen:
             entry["native_fused_in_program"] = seen[name]
+        priced = split.on_mesh(mesh, site, chip=name, backward=backward) if mesh else None
+        if priced is not None:
+            entry["sequence_split"] = priced.to_json()
         if with_xla and hw.compile_target is not None and v.kernel_name is not None:
             try:
                 figs = xla.site_figures(site, hw.compile_target,
