@@ -1050,6 +1050,12 @@ def _trace(node: Node, labels: axes.Labels, qside: str, head_token,
             if step is None or not _reshape_keeps_axes(node, labels, qside) or any(
                     axes.part_of(label, t) is not None for label in step[0] for t in whole):
                 break
+            if (_query_length_axes(node.shape, labels, qside)
+                    and not _query_length_axes(node.inputs[0].shape, step[0], qside)):
+                # Blocked local attention (LongT5): the sequence split into blocks of
+                # queries, the block index a batch axis. Before the split no axis is the
+                # query length alone, so the site is the batch of blocks this reshape made.
+                break
             before_reshape = (node, labels, scale)
         elif op == "broadcast" and head_token is not None:
             step = axes.backward(node, labels)
@@ -1100,6 +1106,12 @@ def _scaled_operand(node: Node) -> int | None:
             if value is not None and value != 0 and uniform_value(node.inputs[at]) is None:
                 return at
     return None
+
+
+def _query_length_axes(shape: tuple[int, ...], labels: axes.Labels, qside: str) -> list[int]:
+    """Axes of size > 1 that hold query-side free tokens and nothing else."""
+    return [a for a, (n, lab) in enumerate(zip(shape, labels))
+            if n != 1 and lab and all(t[0] == qside for t in lab)]
 
 
 def _reshape_keeps_axes(node: Node, labels: axes.Labels, qside: str) -> bool:

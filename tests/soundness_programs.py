@@ -27,8 +27,8 @@ traced bound, `tril(k=±1)`, lengths as an argument, int32 masks made boolean in
 computed from q or k; `1/√d` on q, k or both before the dot; exp(s) / sum without the max
 and exp(log_softmax); heads last and no batch axis; D in {1, 3, 80, 256}, lengths 2 and 129,
 and 1000 with the kernel's own tiles (and `kernel="auto"`); a NaN key hidden by padding; the
-attention under `lax.cond`, in a `fori_loop`, vmapped over heads, inside a custom_vjp, or with
-a custom_vjp softmax (`WRAPS`).
+attention under `lax.cond`, in a `fori_loop`, vmapped over heads, inside a custom_vjp, with
+a custom_vjp softmax, or over one sequence cut into blocks that are the batch (`WRAPS`).
 
 `check(program)` runs the naive program under `jax.jit` and under `hlotool.flash_jit` (the
 chunked kernel with small blocks, so tiles, skipping and padding are exercised) and returns
@@ -98,7 +98,7 @@ VALUE_OPS = ("stop_gradient", "reduce_precision", "fake_quant", "roundtrip", "wi
 # Where the attention sits: under lax.cond, in a fori_loop body, vmapped over heads, inside
 # a custom_vjp whose backward is half the true one (so a rewrite that replaced it shows),
 # or with its softmax such a custom_vjp (a site only partly inside: must stay native).
-WRAPS = ("cond", "fori", "vmap_heads", "custom_vjp", "custom_vjp_softmax")
+WRAPS = ("cond", "fori", "vmap_heads", "custom_vjp", "custom_vjp_softmax", "blocks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -662,6 +662,8 @@ def build(p: Program, compute: str | None = None, logits: bool = False
 
     diff = tuple([0, 1, 2] + [i for kind, _, i in extra
                               if kind in ("bias", "head_mask", "sinks")])
+    if p.wrap == "blocks" and not logits:  # one sequence, cut into the batch's B blocks
+        args[:3] = [x.reshape(1, p.b * x.shape[1], *x.shape[2:]) for x in args[:3]]
     return attention if logits else _wrapped(p, attention), tuple(args), diff
 
 
@@ -692,6 +694,12 @@ def _wrapped(p: Program, attention):
         return per_head
     if p.wrap == "custom_vjp":
         return _half_gradient(attention)
+    if p.wrap == "blocks":  # blocked local attention (LongT5): the blocks are the batch
+        def in_blocks(q, k, v, *ops):
+            q, k, v = (x.reshape(p.b, x.shape[1] // p.b, *x.shape[2:]) for x in (q, k, v))
+            out = attention(q, k, v, *ops)
+            return out.reshape(1, p.b * out.shape[1], *out.shape[2:])
+        return in_blocks
     return attention
 
 
@@ -788,13 +796,16 @@ def _rarely(draw, options: tuple, one_in: int, none: Any = ""):
 
 def _compatible(p: Program) -> Program:
     """`p` without the wraps its other features rule out: vmap over heads runs the program
-    one head at a time (nothing may refer to H), a custom_vjp cannot take a PRNG key."""
+    one head at a time (nothing may refer to H), a custom_vjp cannot take a PRNG key, blocks
+    need a batch of several to cut the sequence into."""
     if p.wrap == "vmap_heads" and (
             p.hq != p.hkv or p.layout not in ("BLHD", "BHLD") or p.sinks or p.head_mask
             or any(s.shape in ("1hqk", "bhqk", "h11") or s.op == "per_head"
                    for s in p.steps)):
         return dataclasses.replace(p, wrap="")
     if p.wrap in ("custom_vjp", "custom_vjp_softmax") and p.dropout:
+        return dataclasses.replace(p, wrap="")
+    if p.wrap == "blocks" and (p.b == 1 or p.layout == "LHD"):
         return dataclasses.replace(p, wrap="")
     return p
 

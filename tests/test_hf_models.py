@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import hlotool
+from hlotool.passes.from_hlo import detect_hlo
 
 transformers = pytest.importorskip("transformers")
 
@@ -200,6 +201,67 @@ def test_gpt2_in_training_mode_exports_the_dropout_kernel_for_tpu():
     assert all(f"{length}x{length}x" not in c.rsplit(" : (", 1)[1] for c in calls)
     assert all(name in grad for name in ("dropout_tpu_forward", "dropout_tpu_dkv",
                                          "dropout_tpu_dq"))
+
+
+def _clip_with_a_max(monkeypatch):
+    """LongT5's relative-position buckets call `jnp.clip(x, a_max=...)`, which jax 0.10 no
+    longer takes: the keywords it had, mapped onto today's."""
+    clip = jnp.clip
+
+    def old_clip(x, a_min=None, a_max=None, **kw):
+        return clip(x, kw.pop("min", a_min), kw.pop("max", a_max), **kw)
+
+    monkeypatch.setattr(jnp, "clip", old_clip)
+
+
+@pytest.mark.parametrize("kind, keys", [("local", 3 * 17), ("transient-global", 3 * 17 + 16)])
+@pytest.mark.sweep(keep=1)
+def test_longt5_blocked_local_attention_is_a_batch_of_block_sites(kind, keys, monkeypatch):
+    """LongT5 cuts the sequence into blocks of radius + 1 queries ([B, L/b, b, H, D]) and gives
+    each the keys of its block and both neighbours (transient-global: and the global tokens).
+    Both front ends read one site whose batch is (B, blocks); with a kernel forced, outputs
+    and every gradient equal jax.jit's and the TPU export holds one pallas_tpu call (its
+    relative-position bias is an additive bias, which splash does not take). auto keeps it
+    native: a 17 x 51 tile per block is a short sequence."""
+    from test_rewrite_models import tpu_custom_calls
+
+    _clip_with_a_max(monkeypatch)
+    t = transformers
+    length, radius, heads, head_dim = 128, 16, 4, 8
+    model = t.FlaxLongT5Model(t.LongT5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=head_dim, d_ff=64, num_layers=1,
+        num_decoder_layers=1, num_heads=heads, local_radius=radius, global_block_size=8,
+        encoder_attention_type=kind))
+    ids = jax.random.randint(jax.random.key(1), (B, length), 0, VOCAB)
+    mask = jnp.ones((B, length), jnp.int32).at[1, 100:].set(0)
+
+    def encode(params, ids, mask):
+        return model.encode(ids, attention_mask=mask, params=params).last_hidden_state
+
+    blocks, block = -(-length // (radius + 1)), radius + 1
+    (site,) = hlotool.explain(encode, model.params, ids, mask, kernel="chunked").sites
+    assert site.rewritten, site.reason
+    assert (site.site.q_shape, site.site.k_shape) == (
+        (B, blocks, block, heads, head_dim), (B, blocks, keys, heads, head_dim))
+    text = jax.jit(encode).lower(model.params, ids, mask).as_text(dialect="hlo")
+    assert [s.q_shape for s in detect_hlo(text)] == [site.site.q_shape]
+    (native,) = hlotool.explain(encode, model.params, ids, mask).sites
+    assert not native.rewritten and "short sequence" in native.reason
+
+    fast = hlotool.flash_jit(encode, kernel="chunked")
+    want = jax.jit(encode)(model.params, ids, mask)
+    assert float(jnp.max(jnp.abs(fast(model.params, ids, mask) - want))
+                 / jnp.max(jnp.abs(want))) < 1e-5
+
+    def loss(params, fn):
+        return jnp.sum(jnp.sin(fn(params, ids, mask)))
+
+    grads = [np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(g)])
+             for g in (jax.grad(loss)(model.params, jax.jit(encode)),
+                       jax.grad(loss)(model.params, fast))]
+    assert np.max(np.abs(grads[1] - grads[0])) / np.max(np.abs(grads[0])) < 1e-5
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
+    assert tpu_custom_calls(encode, params, ids, mask, kernel="pallas_tpu") == 1
 
 
 # Slow (two library train steps, 23 s): the README's test command leaves it to CI.

@@ -165,6 +165,57 @@ def test_heads_folded_into_the_batch_with_a_bias_from_q():
     assert relative_error(hlotool.flash_jit(step)(state, x), jax.jit(step)(state, x)) < 1e-5
 
 
+BLOCK = 64  # queries per block: L / BLOCK = 8 blocks
+
+
+def _neighbours(x):
+    """[B, n, b, H, D] -> [B, n, 3b, H, D]: each block with the one before and after it
+    (zeros past either end), LongT5's `_concatenate_3_blocks`."""
+    n = x.shape[1]
+    padded = jnp.pad(x, ((0, 0), (1, 1), (0, 0), (0, 0), (0, 0)))
+    return jnp.concatenate([padded[:, i:i + n] for i in range(3)], axis=2)
+
+
+def blocked_local(q, k, v):
+    """Local attention written in blocks: query i of block n sees keys within BLOCK - 1 of
+    it, from blocks n - 1 .. n + 1 ([B, L/b, b, H, D] queries, [B, L/b, 3b, H, D] keys)."""
+    q, k, v = (x.reshape(B, L // BLOCK, BLOCK, H, D) for x in (q, k, v))
+    k, v = _neighbours(k), _neighbours(v)
+    s = jnp.einsum("bnqhd,bnkhd->bnhqk", q, k) * D ** -0.5
+    offset = jnp.arange(3 * BLOCK)[None, :] - jnp.arange(BLOCK)[:, None] - BLOCK
+    s = jnp.where(jnp.abs(offset) < BLOCK, s, -1e10)
+    return jnp.einsum("bnhqk,bnkhd->bnqhd", jax.nn.softmax(s, -1), v).reshape(B, L, H, D)
+
+
+def chunked_causal(q, k, v):
+    """Chunked causal attention (Llama 4's local layers) with the chunks folded into the
+    batch: [B·L/b, b, H, D], causal within each chunk."""
+    q, k, v = (x.reshape(B * L // BLOCK, BLOCK, H, D) for x in (q, k, v))
+    s = jnp.einsum("nqhd,nkhd->nhqk", q, k) * D ** -0.5
+    s = jnp.where(jnp.tril(jnp.ones((BLOCK, BLOCK), bool)), s, -jnp.inf)
+    return jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(s, -1), v).reshape(B, L, H, D)
+
+
+@pytest.mark.parametrize("fn, q_shape, k_shape, mask", [
+    (blocked_local, (B, L // BLOCK, BLOCK, H, D), (B, L // BLOCK, 3 * BLOCK, H, D), "local"),
+    (chunked_causal, (B * L // BLOCK, BLOCK, H, D), (B * L // BLOCK, BLOCK, H, D), "causal"),
+])
+def test_attention_over_blocks_of_the_sequence_is_a_site_per_block(fn, q_shape, k_shape, mask):
+    """The sequence cut into blocks before Q·Kᵀ (#38): the block index is a batch axis, each
+    block a short site. Its mask's structure is kept (a band within the three blocks, causal
+    within a chunk), so splash takes it on TPU; chunked outputs and gradients equal jax.jit's."""
+    qkv = [jnp.asarray(np.random.default_rng(i).standard_normal((B, L, H, D)), jnp.float32)
+           for i in range(3)]
+    (site,) = hlotool.explain(fn, *qkv, kernel="chunked").sites
+    assert (site.site.q_shape, site.site.k_shape, site.site.mask) == (q_shape, k_shape, mask)
+    fast = hlotool.flash_jit(fn, kernel="chunked")
+    assert relative_error(fast(*qkv), jax.jit(fn)(*qkv)) < 1e-5
+    grads = [jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))(*qkv)
+             for f in (fast, jax.jit(fn))]
+    assert relative_error(*grads) < 1e-5
+    assert tpu_custom_calls(fn, *qkv, kernel="splash_tpu") == 1
+
+
 def haiku_layer(x):
     mha = hk.MultiHeadAttention(num_heads=H, key_size=D, w_init=hk.initializers.VarianceScaling())
     return mha(x, x, x, mask=jnp.tril(jnp.ones((1, 1, L, L))))
