@@ -35,7 +35,6 @@ from hlotool.passes.replacement import (
 from hlotool.passes.residuals import recompute_in_backward, recomputed_here
 from hlotool.passes.rewrite import Replacement, RewriteError, inline_calls, prepare, rewrite
 from hlotool.passes.tracing import TraceError
-from hlotool.site import AttentionSite
 from hlotool.site_report import Report, SiteReport
 
 
@@ -55,19 +54,6 @@ def _choices(site: JaxprSite, form: Lowered, kernel: str) -> dict[str, Choice]:
     check_vma = site.manual is not None and site.manual.check_vma
     return {p: choose(site.site, p, kernel, features=form.kernel.features, check_vma=check_vma,
                       backward=form.trained) for p in PLATFORMS}
-
-
-def _gathered_where_cheaper(choices: dict[str, Choice], site: AttentionSite, mesh: Any,
-                            backward: bool) -> dict[str, Choice]:
-    """`choices`, or native on every platform where `mesh` splits the site's sequence and the
-    ring does not pay against XLA's all-gather on the mesh's chip (`cost.split`)."""
-    if not any(c.kernel for c in choices.values()):
-        return choices
-    priced = split.on_mesh(mesh, site, backward=backward)
-    if priced is None or priced.ring is None or priced.ring_pays:
-        return choices
-    why = f"keep native (XLA all-gathers K and V: {priced.why})"
-    return {p: dataclasses.replace(c, kernel=None, reason=why) for p, c in choices.items()}
 
 
 # ----------------------------------------------------------------------------------------
@@ -143,9 +129,8 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
             form = lower_site(jaxpr, site, sited)
             # Inside a shard_map body the kernel already sees one device's shard.
             on = mesh if site.manual is None else None
-            choices = _choices(site, form, kernel)
-            if kernel == "auto" and on is not None:
-                choices = _gathered_where_cheaper(choices, site.site, on, form.trained)
+            choices = split.gathered_where_cheaper(_choices(site, form, kernel), site.site, on,
+                                                   form.trained)
             plan = {p: c.kernel for p, c in choices.items()}
             notes = ()
             if any(plan.values()):

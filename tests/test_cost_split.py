@@ -71,6 +71,10 @@ class _Mesh:
     shape = {"data": 2, "seq": 8}
 
 
+class _Sequence:
+    shape = {"seq": 8}
+
+
 def test_on_a_mesh_the_batch_is_split_before_the_sequence():
     site = _site(1024, batch=2)
     priced = split.on_mesh(_Mesh, site, chip="cpu")
@@ -81,15 +85,24 @@ def test_on_a_mesh_the_batch_is_split_before_the_sequence():
     assert doc["choice"] == "ring" and doc["all_gather"]["link_bytes"] == 7 * 128 * 4 * 128 * 4
 
 
-def test_auto_keeps_the_all_gather_where_the_ring_does_not_pay():
-    """flash_jit's auto policy on a mesh: the kernel's choice stands where the ring pays, and
-    becomes native, with the price's reason, where it does not (a mesh without devices is
-    priced on this process's platform, the host)."""
-    from hlotool.cost.decision import Choice
-    from hlotool.flash import _gathered_where_cheaper
+def test_auto_keeps_the_all_gather_per_platform_where_the_ring_does_not_pay():
+    """flash_jit's auto policy on a mesh, per platform on the chip it prices that platform on
+    (a mesh without devices: `decision.chip_for`): the kernel's choice stands where the ring
+    pays, and becomes native, with the price's reason, where it does not. 8 devices, f32,
+    D = 64: the host's ring pays from L = 512 (seven ~200 µs rendezvous against one), a
+    v5e's from L = 2048 (below, a block crosses its link slower than it computes)."""
+    from hlotool.cost.decision import Choice, chip_for, verdict
+    from hlotool.cost.split import gathered_where_cheaper
 
-    kernel = {"cpu": Choice("cpu", "chunked", "kernel pays")}
-    assert _gathered_where_cheaper(kernel, _site(2048), _Mesh, False) == kernel
-    (kept,) = _gathered_where_cheaper(kernel, _site(64), _Mesh, False).values()
-    assert kept.kernel is None
-    assert kept.reason.startswith("keep native (XLA all-gathers K and V: all-gather ×"), kept
+    assert chip_for("tpu") == "tpu-v5e"
+    priced = verdict(_site(2048), "cpu")  # chosen by price (a named kernel stands: below)
+    kernel = {p: Choice(p, k, "kernel pays", (), priced)
+              for p, k in (("cpu", "chunked"), ("tpu", "splash_tpu"))}
+    for length, ring in ((64, set()), (512, {"cpu"}), (2048, {"cpu", "tpu"})):
+        chosen = gathered_where_cheaper(kernel, _site(length), _Sequence, False)
+        assert {p for p, c in chosen.items() if c.kernel} == ring, length
+        for p in set(kernel) - ring:
+            assert chosen[p].reason.startswith(
+                "keep native (XLA all-gathers K and V: all-gather ×"), chosen[p]
+    named = {"cpu": Choice("cpu", "chunked", "chunked requested")}
+    assert gathered_where_cheaper(named, _site(64), _Sequence, False) == named

@@ -16,10 +16,12 @@ latency. Backward (`backward`): the all-gather adds a reduce-scatter of dK and d
 bytes again; the ring runs a second ring of n hops, each moving the K/V block and its f32 dK/dV
 accumulators, over backward steps.
 
-Causal masks. The ring's blocks are contiguous: device n−1 sees its diagonal block and n−1 full
-ones, so the slowest device computes every block and the wall time has no causal saving; the
-native share computes every score of its [L/n, L] share whatever the mask. So both are priced
-as the slowest device.
+Causal masks. The ring deals the sequence zig-zag (`ring.dealt_zigzag`: device r holds chunks r
+and 2n−1−r of 2n), so every device computes half a block per step and the causal saving shows
+in the wall time; where a block does not halve into tiles its blocks are contiguous, device n−1
+sees its diagonal block and n−1 full ones, and the slowest device computes every block. The
+native share computes every score of its [L/n, L] share whatever the mask. Both are priced as
+the slowest device.
 
 Memory per device: all-gather, q and o of the share, K and V gathered whole and the native
 temporaries of the share (backward: dO, dQ, and dK, dV whole before their reduce-scatter); ring,
@@ -29,8 +31,9 @@ dK/dV of both blocks and the f32 dQ).
 
 The decision (`SequenceSplit.ring_pays`): the ring where it is no slower, or where the
 all-gather does not fit the chip. `cost` shows it per target; `flash_jit(kernel="auto")` keeps
-XLA's all-gather where the ring does not pay on the mesh's chip (`on_mesh`, `mesh_chip`: a
-mesh being traced on the host prices the host's chip). By this model the ring loses where its
+XLA's all-gather per platform where the ring does not pay on the chip that platform runs the
+mesh on (`on_mesh`, `mesh_chip`: the mesh's own devices, else the chip flash_jit prices the
+platform's kernels on, `decision.chip_for`). By this model the ring loses where its
 hops bound it: on the host, 7 rendezvous of ~200 µs against the all-gather's one at short
 lengths (L = 64 over 8 devices); on a TPU torus, while each step's block computes faster than
 it crosses a link (v5p at L = 2048, f32, D = 64, 8 devices), as the all-gather uses both
@@ -53,7 +56,7 @@ from typing import Any
 import jax
 
 from hlotool import jaxcompat, kernels
-from hlotool.cost.decision import DEFAULT_CHIP, chip_for, running_platform
+from hlotool.cost.decision import DEFAULT_CHIP, Choice, chip_for, running_platform
 from hlotool.cost.model import analytic, kernel_temp_bytes, native_temp_bytes
 from hlotool.hardware import Hardware, for_device_kind, get_hardware
 from hlotool.kernels import ring
@@ -157,14 +160,14 @@ def price(site: AttentionSite, devices: int, chip: str | Hardware, *,
 
 
 def on_mesh(mesh: Any, site: AttentionSite, *, chip: str | Hardware | None = None,
-            backward: bool = False) -> SequenceSplit | None:
+            platform: str | None = None, backward: bool = False) -> SequenceSplit | None:
     """`price` for `site` (whole, as the program holds it) on `mesh`: its share after the batch
     and head splits, along the mesh axis left over (`sharded.left_over`), on `chip` (default:
-    the chip of the mesh's devices, `mesh_chip`). None where no axis splits the sequence or no
-    chip prices the mesh's platform."""
+    the chip `platform`, default this process's, runs the mesh on: `mesh_chip`). None where
+    no axis splits the sequence or no chip prices the platform."""
     batch, heads = mesh_split(mesh, site.batch, site.num_q_heads, site.num_kv_heads)
     axis = left_over(mesh, batch, heads)
-    chip = chip or mesh_chip(mesh)
+    chip = chip or mesh_chip(mesh, platform or running_platform())
     if axis is None or chip is None:
         return None
     nb = math.prod(mesh.shape[a] for a in batch)
@@ -174,19 +177,33 @@ def on_mesh(mesh: Any, site: AttentionSite, *, chip: str | Hardware | None = Non
     return price(local, mesh.shape[axis], chip, backward=backward)
 
 
-def mesh_chip(mesh: Any) -> str | None:
-    """The `hlotool.hardware` chip of the mesh's devices (by `device_kind`; a deviceless TPU
-    topology's devices name their chip too), else `decision.chip_for` their platform: the
-    default chip of the platform, as flash_jit prices a site. A mesh without devices (an
-    abstract one) is on the platform this process runs."""
-    if not isinstance(mesh, jax.sharding.Mesh):  # abstract: no devices
-        platform = running_platform()
-    else:
+def gathered_where_cheaper(choices: dict[str, Choice], site: AttentionSite, mesh: Any,
+                            backward: bool) -> dict[str, Choice]:
+    """`choices`, native on each platform where `mesh` (None: none) splits the site's
+    sequence and the ring does not pay against XLA's all-gather on the chip that platform runs
+    the mesh on (`on_mesh`). A kernel named, not chosen by price (no verdict), stands."""
+    out = dict(choices)
+    for platform, choice in choices.items():
+        if mesh is None or choice.kernel is None or choice.verdict is None:
+            continue
+        priced = on_mesh(mesh, site, platform=platform, backward=backward)
+        if priced and priced.ring is not None and not priced.ring_pays:
+            out[platform] = dataclasses.replace(
+                choice, kernel=None, reason=f"keep native (XLA all-gathers K and V: {priced.why})")
+    return out
+
+
+def mesh_chip(mesh: Any, platform: str) -> str | None:
+    """The `hlotool.hardware` chip that runs `mesh` on `platform`: its devices' chip where they
+    are on that platform (by `device_kind`; a deviceless TPU topology's devices name their
+    chip too), else `decision.chip_for(platform)`, the chip flash_jit prices the platform's
+    kernels on. None for a platform no chip prices."""
+    if isinstance(mesh, jax.sharding.Mesh):  # an abstract mesh has no devices
         device = mesh.devices.flat[0]
-        hw = for_device_kind(device.device_kind)
-        if hw is not None:
-            return hw.name
-        platform = jaxcompat.canonicalize_platform(device.platform)
+        if jaxcompat.canonicalize_platform(device.platform) == platform:
+            hw = for_device_kind(device.device_kind)
+            if hw is not None:
+                return hw.name
     return chip_for(platform) if platform in DEFAULT_CHIP else None
 
 
@@ -240,8 +257,15 @@ def _ring(site: AttentionSite, n: int, hw: Hardware, backward: bool) -> Strategy
     def step(s: AttentionSite, bwd: bool = False) -> float:
         return analytic(s, hw, "kernel", backward=bwd, kernel=chunked).seconds
 
-    # The slowest device: its own (diagonal) block, then n − 1 blocks computed whole.
-    forward = [step(block)] + [step(full)] * (n - 1)
+    if ring.dealt_zigzag(site.causal, site.q_len // n):
+        # Every device alike: chunks r and 2n − 1 − r, one pair of them whole and one whole
+        # or causal per step (step 0: its own chunks, two causal pairs and one whole).
+        chunk = _scaled(site, q_len=site.q_len // (2 * n), kv_len=site.kv_len // (2 * n))
+        whole = _scaled(chunk, below_diagonal=True)
+        pairs = [(chunk, chunk, whole)] + [(whole, whole)] * (n - 1)
+    else:  # the slowest device: its own (diagonal) block, then n − 1 blocks computed whole
+        pairs = [(block,)] + [(full,)] * (n - 1)
+    forward = [sum(step(p) for p in pair) for pair in pairs]
     hop = kv / hw.link_bandwidth + hw.link_latency
     seconds = sum(max(c, hop) for c in forward[:-1]) + forward[-1]
     link_bytes, link, compute = (n - 1) * kv, (n - 1) * hop, sum(forward)
@@ -250,7 +274,7 @@ def _ring(site: AttentionSite, n: int, hw: Hardware, backward: bool) -> Strategy
     memory = q + 3 * kv + o + kernel_temp_bytes(block) + _F32 * rows * (site.v_head_dim + 2)
     if backward:
         # n hops home, each moving K/V and their f32 dK/dV accumulators.
-        back = [step(b, True) - step(b) for b in (block, *[full] * (n - 1))]
+        back = [sum(step(p, True) - step(p) for p in pair) for pair in pairs]
         hop_b = kv * (1 + _F32 / site.itemsize) / hw.link_bandwidth + hw.link_latency
         seconds += back[0] + sum(max(c, hop_b) for c in back[1:]) + hop_b
         link_bytes += n * int(kv * (1 + _F32 / site.itemsize))
