@@ -8,10 +8,15 @@ round the ring (`lax.ppermute` to r + 1), one step per device: at step s device 
 own by each row's max and normalizer. Per device, memory is O(L/n) and no [L/n, L] score
 block exists.
 
-A causal mask (top-left, Lq = Lk) makes block (r, c) fully visible below the diagonal (c < r),
-causal on it and hidden above it: a hidden block is not computed; under a finite fill its keys
-still weigh exp(fill - max) each, added in closed form (the mean of its values, with max
-fill and normalizer L/n). Key padding and segment ids travel with their block, query padding stays.
+A causal mask (top-left, Lq = Lk) makes a pair of chunks (query chunk c, key chunk c') fully
+visible below the diagonal (c' < c), causal on it and hidden above it: a hidden pair is not
+computed; under a finite fill its keys still weigh exp(fill - max) each, added in closed form
+(the mean of its values, with max fill and normalizer its length). Contiguous blocks would
+leave device n - 1 computing a whole block at every step while device 0 skips all but one, so
+under a causal mask the sequence is first dealt out zig-zag (`_deal`): of 2n chunks device r
+holds r and 2n - 1 - r, and at every step each device computes one chunk pair in full and one
+more in full or causal, half a block, the same on every device. Key padding and segment ids
+travel with their block, query padding stays.
 
 The backward runs the same ring: each step's dq, dk, dv come from the chunked backward given
 the row statistics of the whole forward (a flash backward is a sum over key blocks once each
@@ -48,6 +53,11 @@ class _Ring:
     scale: float
     softcap: float | None
     block: int  # query and key tile of each step's chunked call
+    zigzag: bool = False  # two chunks per device, r and 2n - 1 - r (`_deal`)
+
+    def chunks(self, device) -> tuple:
+        """The sequence chunks `device` holds, in its order: of n (contiguous) or 2n."""
+        return (device, 2 * self.n - 1 - device) if self.zigzag else (device,)
 
 
 def refusal(site: AttentionSite, n: int) -> str | None:
@@ -68,6 +78,12 @@ def refusal(site: AttentionSite, n: int) -> str | None:
         return (f"a boolean mask varying along {site.mask_axes} (the ring takes key and "
                 "query padding)")
     return None
+
+
+def dealt_zigzag(causal: bool, length: int) -> bool:
+    """Whether a ring over blocks of `length` deals its sequence zig-zag (`_deal`): where the
+    blocks differ in work, under a causal mask, and a block halves into whole tiles."""
+    return causal and length % 2 == 0 and _block(length // 2) is not None
 
 
 def _block(length: int) -> int | None:
@@ -91,10 +107,58 @@ def attend(call: Call, axis: str, n: int) -> jax.Array:
         kept = (start + jnp.arange(lk))[None, :] < call.kv_lengths[:, None]
         kept = kept[:, None, None, :]
         keys = kept if keys is None else keys & kept
-    ring = _Ring(axis, n, call.causal, call.fill, call.scale, call.softcap, _block(lk))
+    zigzag = n > 1 and dealt_zigzag(call.causal, lk)
+    ring = _Ring(axis, n, call.causal, call.fill, call.scale, call.softcap,
+                 _block(lk // 2 if zigzag else lk), zigzag)
     q_ids, kv_ids = call.segments if call.segments is not None else (None, None)
-    out = _ring(call.q, call.k, call.v, keys, call.query_mask, q_ids, kv_ids, ring)
+    # The sequence axis of each: q, k, v [B, L, H, D]; keys [B|1, 1, 1, Lk]; the query mask
+    # [B|1, Lq]; segment ids [B, L].
+    args = tuple(zip((call.q, call.k, call.v, keys, call.query_mask, q_ids, kv_ids),
+                     (1, 1, 1, 3, 1, 1, 1)))
+    deal = _deal if zigzag else (lambda x, axis, ring: x)
+    out = _ring(*(deal(x, axis, ring) for x, axis in args), ring)
+    if zigzag:
+        out = _collect(out, 1, ring)
     return out.astype(call.result_dtype)
+
+
+def _owner(chunk: int, n: int) -> int:
+    """The device holding `chunk` of 2n in zig-zag order."""
+    return chunk if chunk < n else 2 * n - 1 - chunk
+
+
+def _deal(x, axis: int, ring: _Ring):
+    """x's block along `axis` (chunks 2r and 2r + 1 of 2n on device r) dealt zig-zag: device
+    r gets chunks r and 2n - 1 - r, in that order. Of the two one is even (their sum is odd):
+    it comes by the permute of first halves, the odd one by that of second halves."""
+    if x is None or x.shape[axis] == 1:  # broadcast along the sequence
+        return x
+    n = ring.n
+    halves = jnp.split(x, 2, axis=axis)
+    got = [lax.ppermute(h, ring.axis, [(r, _owner(2 * r + i, n)) for r in range(n)])
+           for i, h in enumerate(halves)]
+    even = lax.axis_index(ring.axis) % 2 == 0
+    return jnp.concatenate([jnp.where(even, got[0], got[1]), jnp.where(even, got[1], got[0])],
+                           axis=axis)
+
+
+def _collect(x, axis: int, ring: _Ring):
+    """`_deal` undone: device r's chunks 2r and 2r + 1 back, in order."""
+    n = ring.n
+    low, high = jnp.split(x, 2, axis=axis)
+    even = lax.axis_index(ring.axis) % 2 == 0
+    sent = (jnp.where(even, low, high), jnp.where(even, high, low))  # the even chunk first
+    return jnp.concatenate([lax.ppermute(h, ring.axis, [(_owner(2 * r + i, n), r)
+                                                        for r in range(n)])
+                            for i, h in enumerate(sent)], axis=axis)
+
+
+def _part(x, i: int, parts: int, axis: int):
+    """Chunk i of `parts` of x along `axis` (None, or an axis of 1, as it is)."""
+    if x is None or parts == 1 or x.shape[axis] == 1:
+        return x
+    size = x.shape[axis] // parts
+    return lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis)
 
 
 def _static(ring: _Ring, lk: int, band, q):
@@ -119,50 +183,62 @@ def _forward(q, k, v, keys, query_mask, q_ids, kv_ids, ring: _Ring):
     log-sum-exp: at a fill of finfo.min, fill + log(count) rounds back to the fill."""
     b, lq, hq, d = q.shape
     hkv, dv = k.shape[2], v.shape[3]
+    parts, rows = len(ring.chunks(0)), lq // len(ring.chunks(0))
     q5 = q.reshape(b, lq, hkv, hq // hkv, d)
-    out = jnp.zeros((b, lq, hkv, hq // hkv, dv), jnp.float32)
-    m = jnp.full((b, hkv, hq // hkv, lq), -jnp.inf, jnp.float32)
-    l = jnp.zeros_like(m)
+    me = lax.axis_index(ring.axis)
+    start = jnp.full((b, hkv, hq // hkv, rows), -jnp.inf, jnp.float32)
+    acc = [(jnp.zeros((b, rows, hkv, hq // hkv, dv), jnp.float32), start, jnp.zeros_like(start))
+           for _ in range(parts)]
     block = (k, v, keys, kv_ids)
     for s in range(ring.n):
-        k_b, v_b, keys_b, kv_ids_b = block
-        k_t, v_t = jnp.swapaxes(k_b, 1, 2), jnp.swapaxes(v_b, 1, 2)
-        extra = (None, q_ids, kv_ids_b, query_mask)
-
-        def visible(band, operands):
-            q5, k_t, v_t, mask = operands
-            o, m, l, lse = chunked._forward(q5, k_t, v_t, None, _to5(mask), extra, None, None,
-                                            _static(ring, k_t.shape[2], band, q5))
-            seen = jnp.isfinite(lse)
-            return o, jnp.where(seen, m, -jnp.inf), jnp.where(seen, l, 0.0)
-
-        def hidden(operands):
-            _, _, v_t, _ = operands
-            if math.isinf(ring.fill):
-                return jnp.zeros_like(out), jnp.full_like(m, -jnp.inf), jnp.zeros_like(l)
-            # Every key at `fill`: uniform weights, the mean of the block's values.
-            mean = jnp.mean(v_t.astype(jnp.float32), axis=2)  # [B, Hkv, Dv]
-            o = jnp.broadcast_to(mean[:, None, :, None, :], out.shape)
-            return o, jnp.full_like(m, ring.fill), jnp.full_like(l, v_t.shape[2])
-
-        operands = (q5, k_t, v_t, keys_b)
-        relation = _relation(s, ring)
-        step = lax.switch(relation, [functools.partial(visible, None),
-                                     functools.partial(visible, CAUSAL), hidden], operands)
-        out, m, l = _merge((out, m, l), step)
+        source = (me - s) % ring.n
+        for i, mine in enumerate(ring.chunks(me)):
+            extra_q = (_part(q_ids, i, parts, 1), _part(query_mask, i, parts, 1))
+            for j, theirs in enumerate(ring.chunks(source)):
+                k_j, v_j, keys_j, ids_j = (_part(x, j, parts, axis)
+                                           for x, axis in zip(block, (1, 1, 3, 1)))
+                step = _step(_part(q5, i, parts, 1), k_j, v_j, keys_j,
+                             (None, extra_q[0], ids_j, extra_q[1]),
+                             _relation(mine, theirs, ring), ring)
+                acc[i] = _merge(acc[i], step)
         if s < ring.n - 1:
             block = _pass_on(block, ring)
-    return out, m, l
+    return tuple(jnp.concatenate(x, axis=axis) for x, axis in zip(zip(*acc), (1, 3, 3)))
 
 
-def _relation(s: int, ring: _Ring) -> jax.Array:
-    """FULL, DIAGONAL or HIDDEN: how this device's queries see the block it holds at step s
-    (block (r - s) mod n on device r)."""
+def _step(q5, k, v, keys, extra, relation, ring: _Ring):
+    """One pair of chunks: queries q5 [B, Lc, Hkv, G, D] against keys k, v [B, Lc', Hkv, D]
+    seen as `relation` says; (out normalized over these keys, row max, normalizer)."""
+    b, rows, hkv, g, _ = q5.shape
+    stats = jnp.zeros((b, hkv, g, rows), jnp.float32)
+
+    def visible(band, operands):
+        q5, k_t, v_t, mask = operands
+        o, m, l, lse = chunked._forward(q5, k_t, v_t, None, _to5(mask), extra, None, None,
+                                        _static(ring, k_t.shape[2], band, q5))
+        seen = jnp.isfinite(lse)
+        return o, jnp.where(seen, m, -jnp.inf), jnp.where(seen, l, 0.0)
+
+    def hidden(operands):
+        _, _, v_t, _ = operands
+        shape = (b, rows, hkv, g, v_t.shape[-1])
+        if math.isinf(ring.fill):
+            return jnp.zeros(shape, jnp.float32), stats - jnp.inf, stats
+        # Every key at `fill`: uniform weights, the mean of the chunk's values.
+        mean = jnp.mean(v_t.astype(jnp.float32), axis=2)  # [B, Hkv, Dv]
+        return (jnp.broadcast_to(mean[:, None, :, None, :], shape), stats + ring.fill,
+                stats + v_t.shape[2])
+
+    operands = (q5, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), keys)
+    return lax.switch(relation, [functools.partial(visible, None),
+                                 functools.partial(visible, CAUSAL), hidden], operands)
+
+
+def _relation(mine, theirs, ring: _Ring) -> jax.Array:
+    """FULL, DIAGONAL or HIDDEN: how queries of chunk `mine` see the keys of chunk `theirs`."""
     if not ring.causal:
         return jnp.int32(FULL)
-    me = lax.axis_index(ring.axis)
-    source = (me - s) % ring.n
-    return jnp.where(source < me, FULL, jnp.where(source == me, DIAGONAL, HIDDEN))
+    return jnp.where(theirs < mine, FULL, jnp.where(theirs == mine, DIAGONAL, HIDDEN))
 
 
 def _merge(one, other):
@@ -196,46 +272,67 @@ def _ring_bwd(ring, residuals, d_out):
     q, k, v, keys, query_mask, q_ids, kv_ids, out, m, l = residuals
     b, lq, hq, d = q.shape
     hkv = k.shape[2]
+    parts = len(ring.chunks(0))
     q5 = q.reshape(b, lq, hkv, hq // hkv, d)
     do = d_out.astype(jnp.float32).reshape(out.shape)
     # The chunked backward's p = exp(s - m) / l with the whole forward's row max and
     # normalizer; a row that saw no key anywhere has p = 0 at m = 0, l = 1.
     seen = l > 0
     m, l = jnp.where(seen, m, 0.0), jnp.where(seen, l, 1.0)
-    dq = jnp.zeros(q5.shape, jnp.float32)
+    # Per chunk of queries: q, out, m, l, dO, seen, as `_step_grads` takes them.
+    rows = [tuple(_part(x, i, parts, axis) for x, axis in
+                  ((q5, 1), (out, 1), (m, 3), (l, 3), (do, 1), (seen, 3)))
+            for i in range(parts)]
+    dq = [jnp.zeros(r[0].shape, jnp.float32) for r in rows]
     block = (k, v, keys, kv_ids, jnp.zeros(k.shape, jnp.float32),
              jnp.zeros(v.shape, jnp.float32))
+    me = lax.axis_index(ring.axis)
     for s in range(ring.n):
-        k_b, v_b, keys_b, kv_ids_b, dk_b, dv_b = block
-        extra = (None, q_ids, kv_ids_b, query_mask)
-
-        def visible(band, operands):
-            k_b, v_b, mask = operands
-            k_t, v_t = jnp.swapaxes(k_b, 1, 2), jnp.swapaxes(v_b, 1, 2)
-            dq_s, dk_s, dv_s, _, _ = chunked._backward(
-                q5, k_t, v_t, None, _to5(mask), extra, None, None, out, m, l, do,
-                _static(ring, k_t.shape[2], band, q5))
-            return dq_s, dk_s, dv_s
-
-        def hidden(operands):
-            k_b, v_b, _ = operands
-            zeros = (jnp.zeros(q5.shape, jnp.float32), jnp.zeros(k_b.shape, jnp.float32))
-            if math.isinf(ring.fill):
-                return (*zeros, jnp.zeros(v_b.shape, jnp.float32))
-            # Each key of the block weighs exp(fill - m) / l in row i: dv_j = Σ_i w_i dO_i.
-            w = jnp.where(seen, jnp.exp(ring.fill - m) / l, 0.0)  # [B, Hkv, G, L]
-            per_key = jnp.einsum("bhgq,bqhgd->bhd", w, do)
-            return (*zeros, jnp.broadcast_to(per_key[:, None], v_b.shape))
-
-        dq_s, dk_s, dv_s = lax.switch(
-            _relation(s, ring),
-            [functools.partial(visible, None), functools.partial(visible, CAUSAL), hidden],
-            (k_b, v_b, keys_b))
-        dq = dq + dq_s
-        block = _pass_on((k_b, v_b, keys_b, kv_ids_b, dk_b + dk_s, dv_b + dv_s), ring)
+        k_b, v_b, keys_b, ids_b, dk_b, dv_b = block
+        source = (me - s) % ring.n
+        dk = [_part(dk_b, j, parts, 1) for j in range(parts)]
+        dv = [_part(dv_b, j, parts, 1) for j in range(parts)]
+        for i, mine in enumerate(ring.chunks(me)):
+            for j, theirs in enumerate(ring.chunks(source)):
+                extra = (None, _part(q_ids, i, parts, 1), _part(ids_b, j, parts, 1),
+                         _part(query_mask, i, parts, 1))
+                dq_s, dk_s, dv_s = _step_grads(
+                    rows[i], _part(k_b, j, parts, 1), _part(v_b, j, parts, 1),
+                    _part(keys_b, j, parts, 3), extra, _relation(mine, theirs, ring), ring)
+                dq[i], dk[j], dv[j] = dq[i] + dq_s, dk[j] + dk_s, dv[j] + dv_s
+        block = _pass_on((k_b, v_b, keys_b, ids_b, jnp.concatenate(dk, axis=1),
+                          jnp.concatenate(dv, axis=1)), ring)
     *_, dk, dv = block  # after n steps each block's dk and dv are home
+    dq = jnp.concatenate(dq, axis=1)
     return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None, None, None, None)
+
+
+def _step_grads(rows, k, v, keys, extra, relation, ring: _Ring):
+    """dq, dk, dv (f32) of one pair of chunks, seen as `relation` says. rows: the query
+    chunk's q, out, max, normalizer, dO and whether each row saw a key."""
+    q5, out, m, l, do, seen = rows
+
+    def visible(band, operands):
+        k, v, mask = operands
+        k_t, v_t = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        dq, dk, dv, _, _ = chunked._backward(
+            q5, k_t, v_t, None, _to5(mask), extra, None, None, out, m, l, do,
+            _static(ring, k_t.shape[2], band, q5))
+        return dq, dk, dv
+
+    def hidden(operands):
+        k, v, _ = operands
+        zeros = (jnp.zeros(q5.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32))
+        if math.isinf(ring.fill):
+            return (*zeros, jnp.zeros(v.shape, jnp.float32))
+        # Each key of the chunk weighs exp(fill - m) / l in row i: dv_j = Σ_i w_i dO_i.
+        w = jnp.where(seen, jnp.exp(ring.fill - m) / l, 0.0)  # [B, Hkv, G, Lc]
+        per_key = jnp.einsum("bhgq,bqhgd->bhd", w, do)
+        return (*zeros, jnp.broadcast_to(per_key[:, None], v.shape))
+
+    return lax.switch(relation, [functools.partial(visible, None),
+                                 functools.partial(visible, CAUSAL), hidden], (k, v, keys))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -83,9 +83,12 @@ def split_note(mesh: Any, site: AttentionSite) -> str:
     parts = [f"{name} over mesh axes {', '.join(axes)}"
              for name, axes in (("batch", batch), ("heads", heads)) if axes]
     if seq:
-        parts.append(f"sequence over mesh axis {seq} ({mesh.shape[seq]} devices) as ring "
-                     "attention: K/V blocks passed round, none gathered, each step in the "
-                     "chunked kernel")
+        n = mesh.shape[seq]
+        dealt = (", dealt zig-zag so every device computes as much of the causal mask"
+                 if ring.dealt_zigzag(site.causal, site.q_len // n) else "")
+        parts.append(f"sequence over mesh axis {seq} ({n} devices) as ring attention: K/V "
+                     f"blocks passed round, none gathered, each step in the chunked kernel"
+                     f"{dealt}")
     elif why:
         parts.append(f"not the sequence as a ring ({why}): a mesh axis left over holds the "
                      "call whole")

@@ -131,7 +131,9 @@ def test_the_ring_says_what_it_splits_and_refuses_by_name():
     assert split_note(Mesh, site) == (
         "on the mesh: batch over mesh axes data; sequence over mesh axis seq (8 devices) as "
         "ring attention: K/V blocks passed round, none gathered, each step in the chunked "
-        "kernel")
+        "kernel, dealt zig-zag so every device computes as much of the causal mask")
+    assert split_note(Mesh, dataclasses.replace(site, mask="none", causal=False)).endswith(
+        "each step in the chunked kernel")
     windowed = dataclasses.replace(site, window=(128, 0))
     assert split_note(Mesh, windowed) == (
         "on the mesh: batch over mesh axes data; not the sequence as a ring (a sliding window "
@@ -141,3 +143,24 @@ def test_the_ring_says_what_it_splits_and_refuses_by_name():
         "query and key lengths differ (1024 vs 4096): the ring splits one sequence")
     assert ring.refusal(dataclasses.replace(site, q_len=1020, kv_len=1020), 8) == (
         "length 1020 does not split into 8 blocks of a multiple of 8")
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_dealt_zig_zag_every_device_computes_as_much_at_every_step(n):
+    """Under a causal mask, in scores computed per step (a pair of chunks below the diagonal
+    counts 2, one on it 1, one above it 0): contiguous blocks leave devices idle while one
+    computes a whole block; zig-zag chunks (r and 2n - 1 - r on device r) give every device
+    the same work at every step, half a block after the first."""
+    import math
+
+    from hlotool.kernels import ring
+
+    def work(dealt: ring._Ring, step: int) -> list[int]:
+        return [sum(2 if theirs < mine else int(theirs == mine)
+                    for mine in dealt.chunks(me) for theirs in dealt.chunks((me - step) % n))
+                for me in range(n)]
+
+    contiguous, zigzag = (ring._Ring("seq", n, True, -math.inf, 1.0, None, 8, zigzag=z)
+                          for z in (False, True))
+    assert work(contiguous, 1) == [0] + [2] * (n - 1)
+    assert [set(work(zigzag, s)) for s in range(n)] == [{4}] * n
