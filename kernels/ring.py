@@ -8,10 +8,12 @@ round the ring (`lax.ppermute` to r + 1), one step per device: at step s device 
 own by each row's max and normalizer. Per device, memory is O(L/n) and no [L/n, L] score
 block exists.
 
-A causal mask (top-left, Lq = Lk) makes a pair of chunks (query chunk c, key chunk c') fully
-visible below the diagonal (c' < c), causal on it and hidden above it: a hidden pair is not
-computed; under a finite fill its keys still weigh exp(fill - max) each, added in closed form
-(the mean of its values, with max fill and normalizer its length). Contiguous blocks would
+A band (a causal mask, top-left as Lq = Lk; a sliding window; both) makes each pair of chunks
+(query chunk c, key chunk c', each of C positions) seen whole, through the band shifted by
+(c - c')·C, or not at all (`_pair_band`): a causal mask shows the pairs below the diagonal
+whole, those on it causal and hides those above it. A hidden pair is not computed; under a
+finite fill its keys still weigh exp(fill - max) each, added in closed form (the mean of its
+values, with max fill and normalizer its length). Contiguous blocks would
 leave device n - 1 computing a whole block at every step while device 0 skips all but one, so
 under a causal mask the sequence is first dealt out zig-zag (`_deal`): of 2n chunks device r
 holds r and 2n - 1 - r, and at every step each device computes one chunk pair in full and one
@@ -20,8 +22,9 @@ travel with their block, query padding stays.
 
 The backward runs the same ring: each step's dq, dk, dv come from the chunked backward given
 the row statistics of the whole forward (a flash backward is a sum over key blocks once each
-row's max, normalizer and out·dO are known), dk and dv travel with their block and are home
-after n steps.
+row's max, normalizer and out·dO are known), dk and dv travel with their block and go home
+after the last step. Under a sliding window the ring stops after the last step whose pairs the
+window reaches (`pair_bands`).
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ from jax import lax
 
 from hlotool.kernels import chunked
 from hlotool.kernels.base import Call
-from hlotool.site import CAUSAL, AttentionSite
+from hlotool.site import CAUSAL, AttentionSite, Band
 
-FULL, DIAGONAL, HIDDEN = 0, 1, 2
+HIDDEN = "hidden"  # a pair of chunks the band shows no key of
 _BLOCK = 512
 
 
@@ -48,12 +51,13 @@ class _Ring:
 
     axis: str
     n: int
-    causal: bool
+    band: Band | None  # (left, right) over the whole sequence (`site.band_of`)
     fill: float
     scale: float
     softcap: float | None
     block: int  # query and key tile of each step's chunked call
     zigzag: bool = False  # two chunks per device, r and 2n - 1 - r (`_deal`)
+    steps: int | None = None  # steps run: after the last one whose pairs the band shows, none
 
     def chunks(self, device) -> tuple:
         """The sequence chunks `device` holds, in its order: of n (contiguous) or 2n."""
@@ -69,21 +73,58 @@ def refusal(site: AttentionSite, n: int) -> str | None:
     if lq % n or _block(lq // n) is None:
         return f"length {lq} does not split into {n} blocks of a multiple of 8"
     for name, present in (("an additive bias", site.mask == "additive"),
-                          ("a sliding window", site.window is not None),
                           ("sinks", site.sinks),
                           ("a mask after the softmax", site.post_mask or site.dropout)):
         if present:
-            return f"{name} (the ring takes causal masks, key and query padding, segments)"
+            return (f"{name} (the ring takes causal masks, sliding windows, key and query "
+                    "padding, segments)")
     if site.mask == "boolean" and not set(site.mask_axes or "") <= {"B", "K"}:
         return (f"a boolean mask varying along {site.mask_axes} (the ring takes key and "
                 "query padding)")
     return None
 
 
-def dealt_zigzag(causal: bool, length: int) -> bool:
-    """Whether a ring over blocks of `length` deals its sequence zig-zag (`_deal`): where the
-    blocks differ in work, under a causal mask, and a block halves into whole tiles."""
-    return causal and length % 2 == 0 and _block(length // 2) is not None
+def dealt_zigzag(band: Band | None, length: int) -> bool:
+    """Whether a ring over blocks of `length` deals its sequence zig-zag (`_deal`): under a
+    causal mask alone, where contiguous blocks differ in work, and a block halves into whole
+    tiles. (Under a sliding window contiguous blocks each see their neighbours alike.)"""
+    return band == CAUSAL and length % 2 == 0 and _block(length // 2) is not None
+
+
+def _pair_band(band: Band | None, distance: int, length: int) -> Band | None | str:
+    """How the queries of a chunk of `length` positions see the keys of the chunk `distance`
+    chunks before it, under `band` over the whole sequence: None (every key), HIDDEN (no key)
+    or the band local to the pair. Query i, key j of the pair are positions distance·length
+    apart more than j - i, so the band shifts by that."""
+    if band is None:
+        return None
+    shift = distance * length
+    left, right = (None if band[0] is None else band[0] - shift,
+                   None if band[1] is None else band[1] + shift)
+    edge = length - 1  # j - i spans [-edge, edge] in a pair
+    if (left is not None and left < -edge) or (right is not None and right < -edge):
+        return HIDDEN
+    if (left is None or left >= edge) and (right is None or right >= edge):
+        return None
+    return left, right
+
+
+def pair_bands(band: Band | None, n: int, length: int, fill: float) -> list[list[tuple]]:
+    """Per step the ring runs, per device of n, how each of its chunk pairs is seen
+    (`_pair_band`) in a ring over a sequence of `length`, as `attend` deals it. Under a -inf
+    fill the steps end with the last that shows some device a key: the K/V blocks beyond a
+    window's reach need not come round. (Under a finite fill a row that sees no key weighs
+    every key alike, so every block comes round.)"""
+    zigzag = n > 1 and dealt_zigzag(band, length // n)
+    ring = _Ring("", n, band, fill, 1.0, None, 8, zigzag)
+    chunk = length // (n * len(ring.chunks(0)))
+    steps = [[tuple(_pair_band(band, mine - theirs, chunk) for mine in ring.chunks(me)
+                    for theirs in ring.chunks((me - s) % n)) for me in range(n)]
+             for s in range(n)]
+    while (math.isinf(fill) and len(steps) > 1
+           and all(way == HIDDEN for ways in steps[-1] for way in ways)):
+        steps.pop()
+    return steps
 
 
 def _block(length: int) -> int | None:
@@ -107,9 +148,10 @@ def attend(call: Call, axis: str, n: int) -> jax.Array:
         kept = (start + jnp.arange(lk))[None, :] < call.kv_lengths[:, None]
         kept = kept[:, None, None, :]
         keys = kept if keys is None else keys & kept
-    zigzag = n > 1 and dealt_zigzag(call.causal, lk)
-    ring = _Ring(axis, n, call.causal, call.fill, call.scale, call.softcap,
-                 _block(lk // 2 if zigzag else lk), zigzag)
+    zigzag = n > 1 and dealt_zigzag(call.band, lk)
+    steps = len(pair_bands(call.band, n, n * lk, call.fill))
+    ring = _Ring(axis, n, call.band, call.fill, call.scale, call.softcap,
+                 _block(lk // 2 if zigzag else lk), zigzag, steps)
     q_ids, kv_ids = call.segments if call.segments is not None else (None, None)
     # The sequence axis of each: q, k, v [B, L, H, D]; keys [B|1, 1, 1, Lk]; the query mask
     # [B|1, Lq]; segment ids [B, L].
@@ -162,18 +204,22 @@ def _part(x, i: int, parts: int, axis: int):
 
 
 def _static(ring: _Ring, lk: int, band, q):
-    """The chunked kernel's constants for one step: the ring's tile, `band` (None or causal)."""
+    """The chunked kernel's constants for one step: the ring's tile, `band` local to the pair.
+    Under a finite fill a band with a left edge visits every block: the keys left of it weigh
+    exp(fill - max) too, and only those right of it are added back in closed form."""
+    visit_all = band is not None and band[0] is not None and math.isfinite(ring.fill)
     return chunked._Static(ring.block, ring.block, lk, band, ring.fill, ring.scale,
-                   scale_q=jnp.dtype(q.dtype).itemsize >= 4, softcap=ring.softcap)
+                           scale_q=jnp.dtype(q.dtype).itemsize >= 4, softcap=ring.softcap,
+                           visit_all=visit_all)
 
 
 def _to5(mask):
     return None if mask is None else mask[:, :, None]  # [B|1, 1, 1, 1, Lk]
 
 
-def _pass_on(x, ring: _Ring):
-    """Every array of `x` to the next device of the ring (None stays None)."""
-    perm = [(r, (r + 1) % ring.n) for r in range(ring.n)]
+def _pass_on(x, ring: _Ring, hops: int = 1):
+    """Every array of `x` `hops` devices on round the ring (None stays None)."""
+    perm = [(r, (r + hops) % ring.n) for r in range(ring.n)]
     return jax.tree.map(lambda a: lax.ppermute(a, ring.axis, perm), x)
 
 
@@ -189,21 +235,35 @@ def _forward(q, k, v, keys, query_mask, q_ids, kv_ids, ring: _Ring):
     start = jnp.full((b, hkv, hq // hkv, rows), -jnp.inf, jnp.float32)
     acc = [(jnp.zeros((b, rows, hkv, hq // hkv, dv), jnp.float32), start, jnp.zeros_like(start))
            for _ in range(parts)]
-    block = (k, v, keys, kv_ids)
-    for s in range(ring.n):
+
+    def step(s, block, acc):
+        acc = list(acc)
         source = (me - s) % ring.n
         for i, mine in enumerate(ring.chunks(me)):
             extra_q = (_part(q_ids, i, parts, 1), _part(query_mask, i, parts, 1))
             for j, theirs in enumerate(ring.chunks(source)):
                 k_j, v_j, keys_j, ids_j = (_part(x, j, parts, axis)
                                            for x, axis in zip(block, (1, 1, 3, 1)))
-                step = _step(_part(q5, i, parts, 1), k_j, v_j, keys_j,
+                seen = _step(_part(q5, i, parts, 1), k_j, v_j, keys_j,
                              (None, extra_q[0], ids_j, extra_q[1]),
-                             _relation(mine, theirs, ring), ring)
-                acc[i] = _merge(acc[i], step)
-        if s < ring.n - 1:
-            block = _pass_on(block, ring)
+                             _relation(mine, theirs, ring, rows), ring)
+                acc[i] = _merge(acc[i], seen)
+        return block, tuple(acc)
+
+    _, acc = _steps(ring, step, (k, v, keys, kv_ids), tuple(acc))
     return tuple(jnp.concatenate(x, axis=axis) for x, axis in zip(zip(*acc), (1, 3, 3)))
+
+
+def _steps(ring: _Ring, step, block, carry):
+    """`step(s, block, carry) -> (block, carry)` for s = 0 .. ring.steps - 1, the block passed
+    on between steps: step 0 unrolled, the rest one `fori_loop` (the program holds two steps
+    whatever n; the loop's carry already varies over the ring's axis, as step 0 leaves it)."""
+    block, carry = step(0, block, carry)
+
+    def body(s, state):
+        return step(s, _pass_on(state[0], ring), state[1])
+
+    return lax.fori_loop(1, ring.steps, body, (block, carry))
 
 
 def _step(q5, k, v, keys, extra, relation, ring: _Ring):
@@ -230,15 +290,29 @@ def _step(q5, k, v, keys, extra, relation, ring: _Ring):
                 stats + v_t.shape[2])
 
     operands = (q5, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), keys)
-    return lax.switch(relation, [functools.partial(visible, None),
-                                 functools.partial(visible, CAUSAL), hidden], operands)
+    return lax.switch(relation, _branches(ring, rows, visible, hidden), operands)
 
 
-def _relation(mine, theirs, ring: _Ring) -> jax.Array:
-    """FULL, DIAGONAL or HIDDEN: how queries of chunk `mine` see the keys of chunk `theirs`."""
-    if not ring.causal:
-        return jnp.int32(FULL)
-    return jnp.where(theirs < mine, FULL, jnp.where(theirs == mine, DIAGONAL, HIDDEN))
+def _ways(ring: _Ring, length: int) -> tuple[tuple, list[int]]:
+    """The distinct ways (`_pair_band`) two chunks of `length` see each other in this ring,
+    and for each distance mine - theirs (from 1 - N to N - 1, N chunks) the index of its
+    way: the branches of a step's `lax.switch`."""
+    total = ring.n * len(ring.chunks(0))
+    per_distance = [_pair_band(ring.band, d, length) for d in range(1 - total, total)]
+    ways = tuple(dict.fromkeys(per_distance))
+    return ways, [ways.index(w) for w in per_distance]
+
+
+def _relation(mine, theirs, ring: _Ring, length: int) -> jax.Array:
+    """The index in `_ways` of how queries of chunk `mine` see the keys of chunk `theirs`."""
+    _, index = _ways(ring, length)
+    return jnp.asarray(index, jnp.int32)[mine - theirs + (len(index) - 1) // 2]
+
+
+def _branches(ring: _Ring, length: int, visible, hidden) -> list:
+    """`visible(band)` or `hidden` per way of `_ways`, in its order."""
+    return [hidden if way == HIDDEN else functools.partial(visible, way)
+            for way in _ways(ring, length)[0]]
 
 
 def _merge(one, other):
@@ -287,7 +361,9 @@ def _ring_bwd(ring, residuals, d_out):
     block = (k, v, keys, kv_ids, jnp.zeros(k.shape, jnp.float32),
              jnp.zeros(v.shape, jnp.float32))
     me = lax.axis_index(ring.axis)
-    for s in range(ring.n):
+
+    def step(s, block, dq):
+        dq = list(dq)
         k_b, v_b, keys_b, ids_b, dk_b, dv_b = block
         source = (me - s) % ring.n
         dk = [_part(dk_b, j, parts, 1) for j in range(parts)]
@@ -298,11 +374,18 @@ def _ring_bwd(ring, residuals, d_out):
                          _part(query_mask, i, parts, 1))
                 dq_s, dk_s, dv_s = _step_grads(
                     rows[i], _part(k_b, j, parts, 1), _part(v_b, j, parts, 1),
-                    _part(keys_b, j, parts, 3), extra, _relation(mine, theirs, ring), ring)
+                    _part(keys_b, j, parts, 3), extra,
+                    _relation(mine, theirs, ring, lq // parts), ring)
                 dq[i], dk[j], dv[j] = dq[i] + dq_s, dk[j] + dk_s, dv[j] + dv_s
-        block = _pass_on((k_b, v_b, keys_b, ids_b, jnp.concatenate(dk, axis=1),
-                          jnp.concatenate(dv, axis=1)), ring)
-    *_, dk, dv = block  # after n steps each block's dk and dv are home
+        return ((k_b, v_b, keys_b, ids_b, jnp.concatenate(dk, axis=1),
+                 jnp.concatenate(dv, axis=1)), tuple(dq))
+
+    block, dq = _steps(ring, step, block, tuple(dq))
+    # Each block's dk and dv home, from the device the last step left them on.
+    *_, dk, dv = block
+    home = (ring.n - ring.steps + 1) % ring.n
+    if home:
+        dk, dv = _pass_on((dk, dv), ring, home)
     dq = jnp.concatenate(dq, axis=1)
     return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None, None, None, None)
@@ -331,8 +414,7 @@ def _step_grads(rows, k, v, keys, extra, relation, ring: _Ring):
         per_key = jnp.einsum("bhgq,bqhgd->bhd", w, do)
         return (*zeros, jnp.broadcast_to(per_key[:, None], v.shape))
 
-    return lax.switch(relation, [functools.partial(visible, None),
-                                 functools.partial(visible, CAUSAL), hidden], (k, v, keys))
+    return lax.switch(relation, _branches(ring, q5.shape[1], visible, hidden), (k, v, keys))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

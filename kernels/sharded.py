@@ -85,7 +85,7 @@ def split_note(mesh: Any, site: AttentionSite) -> str:
     if seq:
         n = mesh.shape[seq]
         dealt = (", dealt zig-zag so every device computes as much of the causal mask"
-                 if ring.dealt_zigzag(site.causal, site.q_len // n) else "")
+                 if ring.dealt_zigzag(site.band, site.q_len // n) else "")
         parts.append(f"sequence over mesh axis {seq} ({n} devices) as ring attention: K/V "
                      f"blocks passed round, none gathered, each step in the chunked kernel"
                      f"{dealt}")

@@ -25,8 +25,9 @@ def test_the_all_gather_moves_all_but_its_own_block_of_k_and_v(backward):
     priced = split.price(site, 8, "tpu-v5p", backward=backward)
     kv = 2048 * 2 * (64 + 64) * 4  # K and V, whole, f32
     assert priced.gather.link_bytes == (2 if backward else 1) * kv * 7 // 8
-    # 7 hops of one K/V block each; the backward's ring brings f32 dK/dV home in 8 more
-    assert priced.ring.link_bytes == kv * 7 // 8 + (backward and 8 * 2 * kv // 8)
+    # 7 hops of one K/V block each; the backward's 7 carry its f32 dK/dV beside it, and one
+    # more brings them home
+    assert priced.ring.link_bytes == kv * 7 // 8 + (backward and (7 * 2 * kv + kv) // 8)
     hw = get_hardware("tpu-v5p")  # both neighbours at once, 4 steps of 1 µs
     assert priced.gather.link_seconds == pytest.approx(
         (2 if backward else 1) * (kv * 7 / 8 / (2 * hw.link_bandwidth) + 4e-6))
@@ -62,9 +63,20 @@ def test_a_gather_that_does_not_fit_takes_the_ring_however_slow():
 
 
 def test_a_refused_ring_prices_the_all_gather_alone():
-    priced = split.price(_site(2048, window=(128, 0)), 8, "cpu")
+    priced = split.price(_site(2048, sinks=True), 8, "cpu")
     assert priced.ring is None and not priced.ring_pays
-    assert "a sliding window" in priced.refusal and "no ring" in priced.line()
+    assert "sinks" in priced.refusal and "no ring" in priced.line()
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_window_ring_stops_once_the_window_reaches_no_further_block(backward):
+    """A causal window of 128 over blocks of 256: each device's block and the one before
+    it, one hop (and dK/dV home in one more), against 7 for the causal ring."""
+    windowed, causal = (split.price(_site(2048, **kw), 8, "cpu", backward=backward).ring
+                        for kw in (dict(window=(128, 0), mask="local"), {}))
+    kv = 2048 // 8 * 4 * (64 + 64) * 4
+    assert windowed.link_bytes == kv + (backward and 2 * kv + kv)
+    assert windowed.seconds < causal.seconds and windowed.link_seconds < causal.link_seconds
 
 
 class _Mesh:

@@ -33,6 +33,9 @@ SCRIPT = textwrap.dedent("""
         m = pad[:, None, None, :]
         if case["causal"]:
             m = m & jnp.tril(jnp.ones((L, L), bool))
+        if case["window"]:
+            i, j = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
+            m = m & (jnp.abs(i - j) <= case["window"])
         if case["query_padding"]:
             m = m & pad[:, None, :, None]
         if case["segments"]:
@@ -81,6 +84,11 @@ CASES = {
                                                       fill="finfo.min"),
     "segments & key padding, soft-capped": dict(segments=True, softcap=True, fill="-inf"),
     "key padding alone, finfo.min": dict(fill="finfo.min"),
+    # 200 back over blocks of 128: 3 of the 8 steps reach a key, the ring stops after them
+    "causal sliding window & key padding, -inf": dict(causal=True, window=200, fill="-inf"),
+    # a finite fill: rows weigh every key outside the window, every block comes round
+    "two-sided window & query padding, finfo.min": dict(window=100, query_padding=True,
+                                                        fill="finfo.min"),
 }
 
 
@@ -88,7 +96,7 @@ def _run(tmp_path, case: dict) -> dict:
     script = tmp_path / "ring_case.py"
     script.write_text(SCRIPT)
     full = dict(dict(length=1024, causal=False, query_padding=False, segments=False,
-                     softcap=False), **case)
+                     softcap=False, window=None), **case)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(script), json.dumps(full)], capture_output=True,
@@ -135,10 +143,12 @@ def test_the_ring_says_what_it_splits_and_refuses_by_name():
     assert split_note(Mesh, dataclasses.replace(site, mask="none", causal=False)).endswith(
         "each step in the chunked kernel")
     windowed = dataclasses.replace(site, window=(128, 0))
-    assert split_note(Mesh, windowed) == (
-        "on the mesh: batch over mesh axes data; not the sequence as a ring (a sliding window "
-        "(the ring takes causal masks, key and query padding, segments)): a mesh axis left "
-        "over holds the call whole")
+    assert split_note(Mesh, windowed).endswith("each step in the chunked kernel")
+    biased = dataclasses.replace(site, mask="additive", causal=False)
+    assert split_note(Mesh, biased) == (
+        "on the mesh: batch over mesh axes data; not the sequence as a ring (an additive bias "
+        "(the ring takes causal masks, sliding windows, key and query padding, segments)): a "
+        "mesh axis left over holds the call whole")
     assert ring.refusal(dataclasses.replace(site, kv_len=4096), 8) == (
         "query and key lengths differ (1024 vs 4096): the ring splits one sequence")
     assert ring.refusal(dataclasses.replace(site, q_len=1020, kv_len=1020), 8) == (
@@ -154,13 +164,34 @@ def test_dealt_zig_zag_every_device_computes_as_much_at_every_step(n):
     import math
 
     from hlotool.kernels import ring
+    from hlotool.site import CAUSAL
 
     def work(dealt: ring._Ring, step: int) -> list[int]:
         return [sum(2 if theirs < mine else int(theirs == mine)
                     for mine in dealt.chunks(me) for theirs in dealt.chunks((me - step) % n))
                 for me in range(n)]
 
-    contiguous, zigzag = (ring._Ring("seq", n, True, -math.inf, 1.0, None, 8, zigzag=z)
+    contiguous, zigzag = (ring._Ring("seq", n, CAUSAL, -math.inf, 1.0, None, 8, zigzag=z)
                           for z in (False, True))
     assert work(contiguous, 1) == [0] + [2] * (n - 1)
     assert [set(work(zigzag, s)) for s in range(n)] == [{4}] * n
+
+
+def test_a_window_shows_each_pair_of_blocks_through_its_own_shifted_band():
+    """A pair of blocks of 128 seen through a window reaching 200 back (causal): its own
+    block causal, the one before from the query's own offset on, the second before only
+    where 256 - 200 leaves keys, the rest hidden; under a -inf fill the ring stops after
+    the third step, under a finite one every block comes round."""
+    import math
+
+    from hlotool.kernels import ring
+
+    steps = ring.pair_bands((200, 0), 8, 1024, -math.inf)
+    assert len(steps) == 3
+    device = 5  # no wrap-around: it sees blocks 5, 4, 3
+    assert [step[device] for step in steps] == [((200, 0),), ((72, 128),), ((-56, 256),)]
+    assert steps[1][0] == (ring.HIDDEN,)  # block 7 comes after block 0
+    assert len(ring.pair_bands((200, 0), 8, 1024, float(-3.4e38))) == 8
+    assert ring._pair_band((200, 0), 3, 128) == ring.HIDDEN
+    assert ring._pair_band((None, 0), 1, 128) is None  # below the diagonal: whole
+    assert ring._pair_band((None, None), 0, 128) is None

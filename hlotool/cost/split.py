@@ -16,12 +16,14 @@ latency. Backward (`backward`): the all-gather adds a reduce-scatter of dK and d
 bytes again; the ring runs a second ring of n hops, each moving the K/V block and its f32 dK/dV
 accumulators, over backward steps.
 
-Causal masks. The ring deals the sequence zig-zag (`ring.dealt_zigzag`: device r holds chunks r
-and 2n−1−r of 2n), so every device computes half a block per step and the causal saving shows
-in the wall time; where a block does not halve into tiles its blocks are contiguous, device n−1
-sees its diagonal block and n−1 full ones, and the slowest device computes every block. The
-native share computes every score of its [L/n, L] share whatever the mask. Both are priced as
-the slowest device.
+Bands. Each step waits for its slowest device, which computes its chunk pairs as the band
+shows them (`ring.pair_bands`: whole, through the band shifted to the pair, or not at all).
+Under a causal mask the ring deals the sequence zig-zag (`ring.dealt_zigzag`: device r holds
+chunks r and 2n−1−r of 2n), so every device computes half a block per step and the causal
+saving shows in the wall time; where a block does not halve into tiles its blocks are
+contiguous, and device n−1, which sees its diagonal block and n−1 whole ones, sets every step.
+Under a sliding window a step computes only the pairs the window reaches. The native share
+computes every score of its [L/n, L] share whatever the mask.
 
 Memory per device: all-gather, q and o of the share, K and V gathered whole and the native
 temporaries of the share (backward: dO, dQ, and dK, dV whole before their reduce-scatter); ring,
@@ -50,6 +52,7 @@ per-step merge and kernel launch are not priced beyond the kernel's roofline.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -61,7 +64,7 @@ from hlotool.cost.model import analytic, kernel_temp_bytes, native_temp_bytes
 from hlotool.hardware import Hardware, for_device_kind, get_hardware
 from hlotool.kernels import ring
 from hlotool.kernels.sharded import left_over, mesh_split
-from hlotool.site import AttentionSite
+from hlotool.site import AttentionSite, Band
 from hlotool.units import format_bytes, format_seconds
 
 _F32 = 4
@@ -209,9 +212,9 @@ def mesh_chip(mesh: Any, platform: str) -> str | None:
 
 def _scaled(site: AttentionSite, *, batch: int | None = None, q_heads: int | None = None,
             kv_heads: int | None = None, q_len: int | None = None, kv_len: int | None = None,
-            below_diagonal: bool = False) -> AttentionSite:
+) -> AttentionSite:
     """`site` with smaller extents; its mask operand's shape [B, H, Lq, Lk] shrinks with
-    them (a broadcast dim stays 1). below_diagonal: a block a causal mask shows whole."""
+    them (a broadcast dim stays 1)."""
     b = batch or site.batch
     hq, hkv = q_heads or site.num_q_heads, kv_heads or site.num_kv_heads
     lq, lk = q_len or site.q_len, kv_len or site.kv_len
@@ -221,10 +224,16 @@ def _scaled(site: AttentionSite, *, batch: int | None = None, q_heads: int | Non
         shape = (*shape[:-k], *(min(d, e) for d, e in zip(shape[-k:], (b, hq, lq, lk)[-k:])))
     out = dataclasses.replace(site, batch=b, num_q_heads=hq, num_kv_heads=hkv, q_len=lq,
                               kv_len=lk, mask_shape=shape, q_shape=(), k_shape=(), v_shape=())
-    if below_diagonal and site.causal:
-        out = dataclasses.replace(out, causal=False,
-                                  mask="none" if site.mask == "causal" else site.mask)
     return out
+
+
+def _seen_through(site: AttentionSite, way: Band | None) -> AttentionSite:
+    """A chunk pair of `site` seen through `way`, the band local to the pair, or whole (None):
+    its causal mask and window are that band now."""
+    mask = site.mask
+    if mask in ("causal", "local"):  # the band is the whole mask
+        mask = "none" if way is None else "local"
+    return dataclasses.replace(site, causal=False, window=way, mask=mask)
 
 
 def _blocks(site: AttentionSite, n: int) -> tuple[int, int, int]:
@@ -251,34 +260,42 @@ def _gather(site: AttentionSite, n: int, hw: Hardware, backward: bool) -> Strate
 def _ring(site: AttentionSite, n: int, hw: Hardware, backward: bool) -> Strategy:
     q, kv, o = _blocks(site, n)
     block = _scaled(site, q_len=site.q_len // n, kv_len=site.kv_len // n)
-    full = _scaled(block, below_diagonal=True)
     chunked = kernels.registered("chunked")
+    fill = -math.inf if site.mask_fill is None else site.mask_fill
+    steps = ring.pair_bands(site.band, n, site.q_len, fill)
+    chunks = n * (2 if ring.dealt_zigzag(site.band, site.q_len // n) else 1)
+    chunk = _scaled(site, q_len=site.q_len // chunks, kv_len=site.kv_len // chunks)
 
-    def step(s: AttentionSite, bwd: bool = False) -> float:
-        return analytic(s, hw, "kernel", backward=bwd, kernel=chunked).seconds
+    @functools.cache
+    def pair(way, bwd: bool = False) -> float:
+        """Seconds of one chunk pair seen `way` (`ring.pair_bands`): forward, or backward."""
+        if way == ring.HIDDEN:
+            return 0.0
+        seen = _seen_through(chunk, way)
+        fwd = analytic(seen, hw, "kernel", kernel=chunked).seconds
+        if not bwd:
+            return fwd
+        return analytic(seen, hw, "kernel", backward=True, kernel=chunked).seconds - fwd
 
-    if ring.dealt_zigzag(site.causal, site.q_len // n):
-        # Every device alike: chunks r and 2n − 1 − r, one pair of them whole and one whole
-        # or causal per step (step 0: its own chunks, two causal pairs and one whole).
-        chunk = _scaled(site, q_len=site.q_len // (2 * n), kv_len=site.kv_len // (2 * n))
-        whole = _scaled(chunk, below_diagonal=True)
-        pairs = [(chunk, chunk, whole)] + [(whole, whole)] * (n - 1)
-    else:  # the slowest device: its own (diagonal) block, then n − 1 blocks computed whole
-        pairs = [(block,)] + [(full,)] * (n - 1)
-    forward = [sum(step(p) for p in pair) for pair in pairs]
+    # Each step waits for its slowest device.
+    forward = [max(sum(pair(w) for w in ways) for ways in step) for step in steps]
     hop = kv / hw.link_bandwidth + hw.link_latency
     seconds = sum(max(c, hop) for c in forward[:-1]) + forward[-1]
-    link_bytes, link, compute = (n - 1) * kv, (n - 1) * hop, sum(forward)
+    hops = len(steps) - 1
+    link_bytes, link, compute = hops * kv, hops * hop, sum(forward)
     # Running f32 output, max and normalizer, beside one step's kernel temporaries.
     rows = site.batch * site.num_q_heads * (site.q_len // n)
     memory = q + 3 * kv + o + kernel_temp_bytes(block) + _F32 * rows * (site.v_head_dim + 2)
     if backward:
-        # n hops home, each moving K/V and their f32 dK/dV accumulators.
-        back = [sum(step(p, True) - step(p) for p in pair) for pair in pairs]
-        hop_b = kv * (1 + _F32 / site.itemsize) / hw.link_bandwidth + hw.link_latency
-        seconds += back[0] + sum(max(c, hop_b) for c in back[1:]) + hop_b
-        link_bytes += n * int(kv * (1 + _F32 / site.itemsize))
-        link += n * hop_b
+        # A hop per step after the first, each moving K/V and their f32 dK/dV accumulators,
+        # then dK/dV home in one more (none where one step was all).
+        back = [max(sum(pair(w, True) for w in ways) for ways in step) for step in steps]
+        grads = kv * _F32 // site.itemsize  # one block's f32 dK/dV
+        hop_b = (kv + grads) / hw.link_bandwidth + hw.link_latency
+        home = grads / hw.link_bandwidth + hw.link_latency if (n - hops) % n else 0.0
+        seconds += back[0] + sum(max(c, hop_b) for c in back[1:]) + home
+        link_bytes += hops * (kv + grads) + (grads if home else 0)
+        link += hops * hop_b + home
         compute += sum(back)
         memory += (kernel_temp_bytes(block, backward=True) - kernel_temp_bytes(block)
                    + 2 * kv * _F32 // site.itemsize + o)  # dK/dV of both blocks, dO
