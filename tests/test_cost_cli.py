@@ -167,6 +167,7 @@ BHLD_MODEL = textwrap.dedent("""\
 
 
 @pytest.mark.parametrize("text, fused", [(BHLD_MODEL, True), (MODEL, False)])
+@pytest.mark.slow
 def test_tpu_fusion_is_read_from_the_scripts_own_program(tmp_path, text, fused):
     path = tmp_path / "model.py"
     path.write_text(text)

@@ -19,6 +19,8 @@ from click.testing import CliRunner
 
 from hlotool.cli import cli
 
+# Two full diffs of the example and a browser: CI's slow pass.
+pytestmark = pytest.mark.slow
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="headless Chromium not installed (apt-get install chromium)")

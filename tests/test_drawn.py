@@ -48,7 +48,7 @@ def test_wide_products_are_exact(c):
 
 
 @pytest.mark.parametrize("start", [(0, 0), (3, 17), (37, 88)])
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_tiles_are_the_whole_draw_at_their_positions(start):
     shape, key = (2, 3, 45, 97), jax.random.key(11)
     mask = drawn_mask(shape, key)
@@ -79,7 +79,7 @@ def test_positions_beyond_32_bits_count_as_jax_counts_them():
 
 @pytest.mark.parametrize("lengths", [(83, 83), (40, 83)])
 @pytest.mark.parametrize("per_head", [True, False], ids=["per head", "one for all (flax)"])
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_the_chunked_kernel_draws_what_it_would_read(lengths, per_head):
     """Blocks that do not divide the lengths, GQA (2 query heads per K/V head), causal, a
     mask per batch row and head or one broadcast over them: out, dq, dk, dv with the mask
@@ -122,6 +122,7 @@ def flax_dropout_step():
     return step, (params, x, jax.random.key(7))
 
 
+@pytest.mark.slow
 def test_a_flax_train_step_with_dropout_draws_the_mask_in_the_kernel():
     step, args = flax_dropout_step()
     report = hlotool.explain(step, *args)
@@ -137,6 +138,7 @@ def test_a_flax_train_step_with_dropout_draws_the_mask_in_the_kernel():
     assert detect_jaxpr(fast.trace(*args).jaxpr) == []
 
 
+@pytest.mark.slow
 def test_with_bits_that_depend_on_the_whole_shape_the_mask_is_read_whole():
     """With jax_threefry_partitionable off, jax draws bits for the array as a whole: no tile
     can be drawn alone. The kernel then reads the program's mask, says so, and the step

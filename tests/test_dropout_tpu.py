@@ -50,7 +50,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_outputs_and_gradients_equal_the_reference_with_the_whole_mask(case):
     """Lengths that are not lane multiples (the kernel pads them), 4 query heads on 1 K/V
     head, top-left causal with more or fewer keys than queries, kv lengths (one batch row
@@ -82,6 +82,7 @@ def test_a_mask_read_whole_gives_what_the_drawn_one_gives():
     assert relative_error(read, drawn_result) < 1e-6
 
 
+@pytest.mark.slow
 def test_a_boolean_mask_after_the_softmax_is_a_multiplier_of_0_and_1():
     """where(mask, p, 0) (Keras' masked softmax and its dropout), read per tile."""
     rng = np.random.default_rng(6)

@@ -74,6 +74,7 @@ def inspect_example(name: str, *script_args: str) -> list[list[str]]:
            "['query']['kernel']"], ["i32[2,16]", "tokens"]]),
     ],
 )
+@pytest.mark.sweep(keep=1)
 def test_inspect_lists_example_functions(name, script_args, functions, arg_lines):
     lines = inspect_example(name, *script_args)
     table = lines[3 : 3 + len(functions)]
@@ -93,6 +94,7 @@ def test_examples_run_as_plain_scripts():
 
 
 @pytest.mark.parametrize("name", ["causal_decoder", "flax_model", "padded_encoder"])
+@pytest.mark.slow
 def test_readme_diff_command_writes_a_report_for_each_example(name, tmp_path, monkeypatch):
     # README: `hlotool diff model.py -o report.html`, word for word, at the examples' own
     # sizes, where auto keeps XLA's attention: the report shows the kernel under that verdict.

@@ -67,7 +67,7 @@ def _inputs():
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_hugging_face_flax_model_is_rewritten_with_outputs_and_gradients_equal(name):
     model = _models()[name]()
     ids, attention_mask = _inputs()
@@ -167,6 +167,7 @@ def test_gpt2_in_training_mode_keeps_its_attention_dropout_exactly():
     assert np.max(np.abs(grads[1] - grads[0])) / np.max(np.abs(grads[0])) < 1e-5
 
 
+@pytest.mark.slow
 def test_gpt2_in_training_mode_exports_the_dropout_kernel_for_tpu():
     """Neither splash nor flash takes dropout: on TPU GPT-2's training-mode attention (causal,
     padding, dropout) runs hlotool's own Pallas kernel, which draws the keep mask in the
@@ -215,7 +216,7 @@ def _clip_with_a_max(monkeypatch):
 
 
 @pytest.mark.parametrize("kind, keys", [("local", 3 * 17), ("transient-global", 3 * 17 + 16)])
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_longt5_blocked_local_attention_is_a_batch_of_block_sites(kind, keys, monkeypatch):
     """LongT5 cuts the sequence into blocks of radius + 1 queries ([B, L/b, b, H, D]) and gives
     each the keys of its block and both neighbours (transient-global: and the global tokens).

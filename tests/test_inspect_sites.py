@@ -70,6 +70,7 @@ EXAMPLE_SITES = [
 
 @pytest.mark.parametrize(("name", "script_args", "expected"), EXAMPLE_SITES,
                          ids=[e[0] for e in EXAMPLE_SITES])
+@pytest.mark.sweep(keep=1)
 def test_example_sites_json_and_fail_on_sites(name, script_args, expected):
     script = str(EXAMPLES / f"{name}.py")
     result = run("inspect", script, "--json", "--fail-on-sites", "--", *script_args)

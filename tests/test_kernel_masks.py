@@ -233,7 +233,7 @@ WINDOWS = {"causal window": dict(causal=True, window=(40, 0)),
 
 
 @pytest.mark.parametrize("options", WINDOWS.values(), ids=WINDOWS.keys())
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_splash_takes_windows_as_local_masks(options):
     opts = dict(options)
     lq, lk = opts.pop("lq", 136), opts.pop("lk", 200)

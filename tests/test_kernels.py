@@ -309,6 +309,7 @@ def _grad(**kw):
                     argnums=(0, 1, 2))
 
 
+@pytest.mark.slow
 def test_dispatcher_exports_pallas_tpu_and_runs_chunked_on_cpu():
     q = jax.random.normal(jax.random.PRNGKey(0), (1, 1000, 2, 64))
     x = sds(*q.shape)

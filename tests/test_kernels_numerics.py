@@ -196,7 +196,7 @@ def test_chunked_band_edges_with_small_blocks(case, blocks):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.sweep(keep=2)
+@pytest.mark.slow
 def test_pallas_tpu_interpret(case):
     with pltpu.force_tpu_interpret_mode(True):
         _check(PallasTpuFlash(), case)
@@ -254,6 +254,7 @@ def _call(case: Case):
 
 
 @pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "holes"])
+@pytest.mark.slow
 def test_cudnn_takes_key_padding_as_lengths_where_each_row_keeps_a_prefix(prefix):
     """A key mask [B, 1, 1, Lk] reaches cuDNN as key lengths where every batch row keeps a
     prefix of the keys (a row keeping none included); a mask with holes sends the call to

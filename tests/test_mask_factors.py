@@ -93,7 +93,7 @@ def test_the_factors_of_a_keras_hub_mask(sliding):
 
 
 @pytest.mark.parametrize("sliding", [False, True], ids=["causal & padding", "window & padding"])
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_a_keras_hub_mask_rewrites_with_outputs_and_gradients_equal(sliding):
     _equal_to_jit(lambda *a: gemma2_layer(*a, sliding), _args(256, jnp.float32))
 
@@ -222,7 +222,7 @@ TRAIN_STEPS = {"KerasHub Gemma 2, local then global": (_two_gemma2_layers, _args
 
 
 @pytest.mark.parametrize("model, inputs", TRAIN_STEPS.values(), ids=TRAIN_STEPS.keys())
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_every_layer_of_a_padded_train_step_exports_to_splash_forward_and_backward(
         model, inputs):
     """Two layers, a padded batch of 2, the gradient with respect to q, k and v taken inside

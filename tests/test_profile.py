@@ -104,6 +104,7 @@ def test_profile_never_writes_into_a_users_directory(model, tmp_path):
     assert sorted(os.listdir(mine)) == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_profile_without_trace_makes_a_new_directory_and_prints_it(model):
     result = run("profile", model + ":attend", "--repeats", "1")
     assert result.returncode == 0, result.stderr
@@ -117,6 +118,7 @@ def test_profile_without_trace_makes_a_new_directory_and_prints_it(model):
         shutil.rmtree(where, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_profile_that_traces_nothing_leaves_no_directory(model, tmp_path):
     """`mlp` has no attention site: nothing is traced, and the directory profile made for the
     traces is gone again (one given with --trace is the user's and stays)."""

@@ -335,6 +335,7 @@ def test_jit_api_static_args_and_report_text():
     assert "1 site(s), 1 rewritten" in text and "cpu: chunked" in text
 
 
+@pytest.mark.slow
 def test_validate_accepts_a_correct_rewrite():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -101,6 +101,7 @@ class LinenLayers(nn.Module):
         return nn.MultiHeadDotProductAttention(num_heads=H)(x)
 
 
+@pytest.mark.slow
 def test_flax_linen():
     model = LinenLayers()
     params = model.init(jax.random.key(0), X)
@@ -112,6 +113,7 @@ def test_flax_linen():
     check_grad(forward, (params, X), argnums=(0, 1))
 
 
+@pytest.mark.slow
 def test_flax_nnx():
     layer = nnx.MultiHeadAttention(num_heads=H, in_features=E, decode=False, rngs=nnx.Rngs(0))
 
@@ -221,6 +223,7 @@ def haiku_layer(x):
     return mha(x, x, x, mask=jnp.tril(jnp.ones((1, 1, L, L))))
 
 
+@pytest.mark.slow
 def test_haiku():
     f = hk.transform(haiku_layer)
     params = f.init(jax.random.key(0), X)

@@ -59,6 +59,7 @@ CPU_SCRIPT = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.slow
 def test_eight_cpu_devices_explicit_mesh():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))
@@ -115,7 +116,7 @@ def decoder_loss():
 
 @pytest.mark.parametrize("axis_type,check_vma", [("Auto", True), ("Explicit", True),
                                                  ("Auto", False)])
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_a_data_parallel_train_step_rewrites_each_site_in_the_shard_map_body(axis_type,
                                                                                check_vma):
     from test_rewrite_models import relative_error, tpu_custom_calls

@@ -106,7 +106,7 @@ def _run(tmp_path, case: dict) -> dict:
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_a_split_sequence_runs_as_a_ring_with_outputs_and_gradients_equal(tmp_path, case):
     """Outputs within 1e-5 and dq, dk, dv within 1e-5 of the largest; K and V move by
     collective-permutes only (an all-gather may carry the key padding's [B, L] counts for the

@@ -70,6 +70,7 @@ def test_inspect_reports_the_devices_and_the_all_gathers_of_a_split_sequence(tmp
     assert f"2 all-gather along L ({gathered_mib:.1f} MiB per device)" in row, row
 
 
+@pytest.mark.slow
 def test_rewrite_prices_a_split_program_per_device(tmp_path):
     done = _hlotool(tmp_path, "rewrite", "--json")
     assert done.returncode == 0, done.stderr
@@ -86,6 +87,7 @@ def test_rewrite_prices_a_split_program_per_device(tmp_path):
     assert "L×L buffers 0 →" not in site and "L×L buffers" in site, site
 
 
+@pytest.mark.slow
 def test_cost_prices_the_all_gather_against_the_ring_per_device(tmp_path):
     """Per target, one device's figures for both strategies, from the shapes: the all-gather
     brings in 7/8 of K and V, the ring holds less; at L = 512 over 8 devices the host's ring

@@ -280,7 +280,7 @@ def test_chunked_skips_causal_blocks_and_stays_exact_with_a_finite_fill(fill, bl
 
 @pytest.mark.parametrize("window", [(None, 0), (20, 0), (7, 0), (30, 9), (None, 40), (3, 3)])
 @pytest.mark.parametrize("fill", [-math.inf, -3.0])
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_chunked_applies_the_band_on_edge_tiles_only_and_stays_exact(window, fill):
     """Tiles wholly inside the band skip its mask; lengths that are no block multiple, bands
     narrower and wider than a block, and GQA, against the reference."""
@@ -360,6 +360,7 @@ def test_validate_under_grad_jit_and_vmap_keeps_the_kernels():
     assert notes == ["validated on generated values (the call was traced)"]
 
 
+@pytest.mark.slow
 def test_validate_checks_each_new_signature():
     fast = hlotool.flash_jit(causal, validate=True)
     fast(arr(1, 512, 2, 16), arr(1, 512, 2, 16), arr(1, 512, 2, 16))
@@ -441,6 +442,7 @@ def test_symbolic_dimensions_are_left_native_with_the_reason():
     assert report.sites == () and "symbolic dimension b" in str(report)
 
 
+@pytest.mark.slow
 def test_decode_step_and_single_key_are_detected_and_rewritten():
     q, kv = arr(4, 1, 8, 64), arr(4, 4096, 8, 64)
 

@@ -52,7 +52,7 @@ def check_step(step, args, sites: int, tol: float = 1e-5, **jit_kwargs) -> None:
 
 
 @pytest.mark.parametrize("has_aux", [False, True])
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_flax_linen(has_aux):
     model = LinenLayers()
     params = model.init(jax.random.key(0), X)
@@ -69,6 +69,7 @@ def test_flax_nnx():
     check_step(value_and_grad_step(forward), (state, X), sites=1)
 
 
+@pytest.mark.slow
 def test_haiku():
     f = hk.transform(haiku_layer)
     params = f.init(jax.random.key(0), X)
@@ -119,6 +120,7 @@ def test_validate_compares_a_train_steps_outputs():
     assert relative_error(got, jax.jit(step)(*args)) < 1e-5
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_loop():
     """The gradient taken in a scan over micro-batches: site and backward share the body."""
     def step(w, xs):
@@ -130,6 +132,7 @@ def test_gradient_accumulation_loop():
     check_step(step, (qkv_weights(H), jnp.concatenate([X, 2 * X])), sites=1)
 
 
+@pytest.mark.slow
 def test_optax_adamw_step():
     model = LinenLayers()
     params = model.init(jax.random.key(0), X)
@@ -155,6 +158,7 @@ def test_optax_adamw_step():
     assert tpu_custom_calls(step, *args) == 2 * TPU_CALLS_PER_SITE
 
 
+@pytest.mark.slow
 def test_example_causal_decoder_train_step():
     m = load_example("causal_decoder")
     params = m.init_params(jax.random.key(0), 16, 2)
@@ -189,6 +193,7 @@ def keras_attention_step(**attention):
     return value_and_grad_step(forward), (trainable, others, X)
 
 
+@pytest.mark.slow
 def test_keras_stateless_call():
     step, args = keras_attention_step()
     report = hlotool.explain(step, *args)
@@ -229,6 +234,7 @@ def gpt_oss_layer(params, x):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(B, length, E)
 
 
+@pytest.mark.slow
 def test_attention_sinks_get_their_gradient_through_the_kernel():
     """The sinks' gradient is the kernel's dsinks summed by the program's transpose of the
     broadcast. The mask's fill, a constant broadcast to the scores' shape, is an input of
@@ -271,6 +277,7 @@ def test_keras_attention_dropout_in_training():
     assert tpu_custom_calls(step, *args) == 0
 
 
+@pytest.mark.slow
 def test_flax_linen_bfloat16():
     model = nn.MultiHeadDotProductAttention(num_heads=H, dtype=jnp.bfloat16,
                                            force_fp32_for_softmax=True)
@@ -474,7 +481,7 @@ def scanned_layers(remat: bool, dropout: bool = False, sinks: bool = False):
 
 
 @pytest.mark.parametrize("sinks", [False, True])
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_scan_over_checkpointed_layers_rewrites_both_loops(sinks):
     """The forward loop's site, and the backward loop's checkpointed body, which recomputes
     the layer (output included) beside its derivative: both in kernels."""
@@ -503,7 +510,7 @@ def test_scan_over_checkpointed_layers_is_read_at_any_length():
 
 @pytest.mark.parametrize("dropout, sinks", [(False, False), (True, False), (False, True)],
                          ids=["plain", "dropout", "sinks"])
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_scan_over_layers_without_checkpoint_recomputes_in_the_backward_loop(dropout, sinks):
     """Without jax.checkpoint the forward loop saves the probabilities ([n, B, H, L, L]) for
     the backward loop, and with dropout its multiplier too. The rewrite saves q, k, v

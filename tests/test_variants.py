@@ -336,7 +336,7 @@ SPLASH_CALLS = {
 
 
 @pytest.mark.parametrize("options", SPLASH_CALLS.values(), ids=SPLASH_CALLS.keys())
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_splash_matches_the_reference_with_gqa_and_unaligned_lengths(options):
     rng = np.random.default_rng(1)
     lq, lk = 136, 200  # padded to 256 inside the adapter
