@@ -158,6 +158,7 @@ def test_with_bits_that_depend_on_the_whole_shape_the_mask_is_read_whole():
         jax.config.update("jax_threefry_partitionable", previous)
 
 
+@pytest.mark.slow
 def test_a_long_dropout_step_holds_no_mask_in_memory():
     """At L = 4096 (H = 8) one [B, H, L, L] float32 array is 512 MiB: the rewritten step's
     compiled temporaries stay below a quarter of it (the kernel reads no mask operand)."""

@@ -129,6 +129,7 @@ def _tpu_export(step, args):
     return jax.export.export(hlotool.flash_jit(step), platforms=["tpu"])(*args)
 
 
+@pytest.mark.slow
 def test_a_flax_train_step_with_dropout_exports_the_kernel_for_tpu():
     """flax attention with dropout and a causal mask under value_and_grad: the TPU export
     holds this kernel's forward, dK/dV and dQ calls, none of which takes an [L, L] operand,

@@ -100,6 +100,7 @@ def test_hugging_face_flax_model_is_rewritten_with_outputs_and_gradients_equal(n
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.slow
 def test_at_long_sequences_the_tpu_export_holds_splash_and_no_dense_mask(name):
     """At L=2048 the kernel pays on TPU: the models' finfo.min biases reach splash as a causal
     mask object and segment ids, forward and backward, with no [L, L] operand."""

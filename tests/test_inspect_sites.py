@@ -100,6 +100,7 @@ def test_example_sites_json_and_fail_on_sites(name, script_args, expected):
         assert native["score_buffers"] >= 1  # XLA:CPU writes the scores out at least once
 
 
+@pytest.mark.slow
 def test_table_shows_sites_and_native_fate_per_target():
     script = str(EXAMPLES / "causal_decoder.py")
     result = run("inspect", f"{script}:forward", "--target", "cpu", "--target", "tpu-v5e",
@@ -190,6 +191,7 @@ def test_layers_from_one_line_get_separate_regions(grad):
         assert scores == owned
 
 
+@pytest.mark.slow
 def test_layers_sharing_a_constant_still_get_one_region_each():
     # At L=512 XLA:CPU's CSE gives both causal layers one constant broadcast (the softmax's
     # initial denominator): it must not join the two layers into one piece for site 1.

@@ -387,6 +387,7 @@ def test_an_equality_of_other_ids_is_no_segment_mask():
     assert not site.site.segments and site.site.mask == "boolean"
 
 
+@pytest.mark.slow
 def test_splash_takes_segment_ids_with_key_padding():
     rng = np.random.default_rng(2)
     segments = (jnp.asarray(np.sort(rng.integers(0, 3, (2, 136)), axis=1)),

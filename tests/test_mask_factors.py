@@ -251,7 +251,7 @@ QUERY_MASKS = {
 
 
 @pytest.mark.parametrize("case", QUERY_MASKS.values(), ids=QUERY_MASKS.keys())
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_kernels_taking_query_padding_match_the_mask_it_stands_for(case):
     """A call's `query_mask` [B, Lq] means the mask [B, 1, Lq, 1] ANDed in: splash (interpret
     mode) and chunked match the reference kernel given that dense mask, output and dq, dk, dv

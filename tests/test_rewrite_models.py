@@ -235,6 +235,7 @@ def test_haiku():
     check_grad(forward, (params, X), argnums=(0, 1))
 
 
+@pytest.mark.slow
 def test_equinox_under_vmap():
     mha = eqx.nn.MultiheadAttention(num_heads=H, query_size=E, key=jax.random.key(0))
 
@@ -246,7 +247,7 @@ def test_equinox_under_vmap():
 
 
 @pytest.mark.parametrize("hkv, causal", [(H, True), (1, False)])
-@pytest.mark.sweep(keep=1)
+@pytest.mark.slow
 def test_jax_nn_dot_product_attention(hkv, causal):
     rng = np.random.default_rng(6)
     q = jnp.asarray(rng.standard_normal((B, L, H, D)), jnp.float32)
@@ -281,6 +282,7 @@ def load_example(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_example_causal_decoder():
     m = load_example("causal_decoder")
     params = m.init_params(jax.random.key(0), 16, 2)

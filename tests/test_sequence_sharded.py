@@ -45,6 +45,7 @@ def _hlotool(tmp_path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_inspect_reports_the_devices_and_the_all_gathers_of_a_split_sequence(tmp_path):
     """On the host and on a v5p slice of 8 chips (deviceless): 8 partitions, K and V each
     all-gathered whole along L (float32 on the host; XLA:TPU gathers them as the bfloat16
