@@ -13,9 +13,8 @@ A band (a causal mask, top-left as Lq = Lk; a sliding window; both) makes each p
 (c - c')·C, or not at all (`_pair_band`): a causal mask shows the pairs below the diagonal
 whole, those on it causal and hides those above it. A hidden pair is not computed; under a
 finite fill its keys still weigh exp(fill - max) each, added in closed form (the mean of its
-values, with max fill and normalizer its length). Contiguous blocks would
-leave device n - 1 computing a whole block at every step while device 0 skips all but one, so
-under a causal mask the sequence is first dealt out zig-zag (`_deal`): of 2n chunks device r
+values, with max fill and normalizer its length). Contiguous blocks would leave device n - 1
+computing a whole block at every step while device 0 skips all but one, so under a causal mask the sequence is first dealt out zig-zag (`_deal`): of 2n chunks device r
 holds r and 2n - 1 - r, and at every step each device computes one chunk pair in full and one
 more in full or causal, half a block, the same on every device. Key padding and segment ids
 travel with their block, query padding stays.
@@ -23,8 +22,9 @@ travel with their block, query padding stays.
 The backward runs the same ring: each step's dq, dk, dv come from the chunked backward given
 the row statistics of the whole forward (a flash backward is a sum over key blocks once each
 row's max, normalizer and out·dO are known), dk and dv travel with their block and go home
-after the last step. Under a sliding window the ring stops after the last step whose pairs the
-window reaches (`pair_bands`).
+after the last step. Under a sliding window and a -inf fill the ring stops after the last step
+whose pairs the window reaches (`pair_bands`). Steps after the first are one `fori_loop`
+(`_steps`), so the program holds two steps whatever n.
 """
 
 from __future__ import annotations
