@@ -60,8 +60,13 @@ class _Ring:
     steps: int | None = None  # steps run: after the last one whose pairs the band shows, none
 
     def chunks(self, device) -> tuple:
-        """The sequence chunks `device` holds, in its order: of n (contiguous) or 2n."""
-        return (device, 2 * self.n - 1 - device) if self.zigzag else (device,)
+        return _chunks(device, self.n, self.zigzag)
+
+
+def _chunks(device, n: int, zigzag: bool) -> tuple:
+    """The sequence chunks `device` holds, in its order: of n (contiguous) or of 2n dealt
+    zig-zag (r and 2n - 1 - r)."""
+    return (device, 2 * n - 1 - device) if zigzag else (device,)
 
 
 def refusal(site: AttentionSite, n: int) -> str | None:
@@ -116,10 +121,9 @@ def pair_bands(band: Band | None, n: int, length: int, fill: float) -> list[list
     window's reach need not come round. (Under a finite fill a row that sees no key weighs
     every key alike, so every block comes round.)"""
     zigzag = n > 1 and dealt_zigzag(band, length // n)
-    ring = _Ring("", n, band, fill, 1.0, None, 8, zigzag)
-    chunk = length // (n * len(ring.chunks(0)))
-    steps = [[tuple(_pair_band(band, mine - theirs, chunk) for mine in ring.chunks(me)
-                    for theirs in ring.chunks((me - s) % n)) for me in range(n)]
+    chunk = length // (n * len(_chunks(0, n, zigzag)))
+    steps = [[tuple(_pair_band(band, mine - theirs, chunk) for mine in _chunks(me, n, zigzag)
+                    for theirs in _chunks((me - s) % n, n, zigzag)) for me in range(n)]
              for s in range(n)]
     while (math.isinf(fill) and len(steps) > 1
            and all(way == HIDDEN for ways in steps[-1] for way in ways)):

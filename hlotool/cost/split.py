@@ -211,8 +211,8 @@ def mesh_chip(mesh: Any, platform: str) -> str | None:
 
 
 def _scaled(site: AttentionSite, *, batch: int | None = None, q_heads: int | None = None,
-            kv_heads: int | None = None, q_len: int | None = None, kv_len: int | None = None,
-) -> AttentionSite:
+            kv_heads: int | None = None, q_len: int | None = None,
+            kv_len: int | None = None) -> AttentionSite:
     """`site` with smaller extents; its mask operand's shape [B, H, Lq, Lk] shrinks with
     them (a broadcast dim stays 1)."""
     b = batch or site.batch
@@ -222,9 +222,8 @@ def _scaled(site: AttentionSite, *, batch: int | None = None, q_heads: int | Non
     if shape is not None:
         k = min(len(shape), 4)
         shape = (*shape[:-k], *(min(d, e) for d, e in zip(shape[-k:], (b, hq, lq, lk)[-k:])))
-    out = dataclasses.replace(site, batch=b, num_q_heads=hq, num_kv_heads=hkv, q_len=lq,
-                              kv_len=lk, mask_shape=shape, q_shape=(), k_shape=(), v_shape=())
-    return out
+    return dataclasses.replace(site, batch=b, num_q_heads=hq, num_kv_heads=hkv, q_len=lq,
+                               kv_len=lk, mask_shape=shape, q_shape=(), k_shape=(), v_shape=())
 
 
 def _seen_through(site: AttentionSite, way: Band | None) -> AttentionSite:
