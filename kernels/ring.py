@@ -14,7 +14,7 @@ A band (a causal mask, top-left as Lq = Lk; a sliding window; both) makes each p
 whole, those on it causal and hides those above it. A hidden pair is not computed; under a
 finite fill its keys still weigh exp(fill - max) each, added in closed form (the mean of its
 values, with max fill and normalizer its length). Contiguous blocks would leave device n - 1
-computing a whole block at every step while device 0 skips all but one, so under a causal mask the sequence is first dealt out zig-zag (`_deal`): of 2n chunks device r
+computing a whole block at every step while device 0 skips all but one, so under a causal mask the sequence is first dealt out zig-zag (`deal`): of 2n chunks device r
 holds r and 2n - 1 - r, and at every step each device computes one chunk pair in full and one
 more in full or causal, half a block, the same on every device. Key padding and segment ids
 travel with their block, query padding stays.
@@ -35,6 +35,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from hlotool.kernels import chunked
@@ -56,7 +57,7 @@ class _Ring:
     scale: float
     softcap: float | None
     block: int  # query and key tile of each step's chunked call
-    zigzag: bool = False  # two chunks per device, r and 2n - 1 - r (`_deal`)
+    zigzag: bool = False  # two chunks per device, r and 2n - 1 - r (`deal`)
     steps: int | None = None  # steps run: after the last one whose pairs the band shows, none
 
     def chunks(self, device) -> tuple:
@@ -90,7 +91,7 @@ def refusal(site: AttentionSite, n: int) -> str | None:
 
 
 def dealt_zigzag(band: Band | None, length: int) -> bool:
-    """Whether a ring over blocks of `length` deals its sequence zig-zag (`_deal`): under a
+    """Whether a ring over blocks of `length` deals its sequence zig-zag (`deal`): under a
     causal mask alone, where contiguous blocks differ in work, and a block halves into whole
     tiles. (Under a sliding window contiguous blocks each see their neighbours alike.)"""
     return band == CAUSAL and length % 2 == 0 and _block(length // 2) is not None
@@ -161,10 +162,11 @@ def attend(call: Call, axis: str, n: int) -> jax.Array:
     # [B|1, Lq]; segment ids [B, L].
     args = tuple(zip((call.q, call.k, call.v, keys, call.query_mask, q_ids, kv_ids),
                      (1, 1, 1, 3, 1, 1, 1)))
-    deal = _deal if zigzag else (lambda x, axis, ring: x)
-    out = _ring(*(deal(x, axis, ring) for x, axis in args), ring)
     if zigzag:
-        out = _collect(out, 1, ring)
+        args = tuple((deal(x, seq, axis, n), seq) for x, seq in args)
+    out = _ring(*(x for x, _ in args), ring)
+    if zigzag:
+        out = collect(out, 1, axis, n)
     return out.astype(call.result_dtype)
 
 
@@ -173,30 +175,37 @@ def _owner(chunk: int, n: int) -> int:
     return chunk if chunk < n else 2 * n - 1 - chunk
 
 
-def _deal(x, axis: int, ring: _Ring):
-    """x's block along `axis` (chunks 2r and 2r + 1 of 2n on device r) dealt zig-zag: device
-    r gets chunks r and 2n - 1 - r, in that order. Of the two one is even (their sum is odd):
-    it comes by the permute of first halves, the odd one by that of second halves."""
+def deal(x, axis: int, ring_axis: str, n: int):
+    """x's block along `axis` (chunks 2r and 2r + 1 of 2n on device r of the n along mesh axis
+    `ring_axis`) dealt zig-zag: device r gets chunks r and 2n - 1 - r, in that order. Of the
+    two one is even (their sum is odd): it comes by the permute of first halves, the odd one
+    by that of second halves."""
     if x is None or x.shape[axis] == 1:  # broadcast along the sequence
         return x
-    n = ring.n
     halves = jnp.split(x, 2, axis=axis)
-    got = [lax.ppermute(h, ring.axis, [(r, _owner(2 * r + i, n)) for r in range(n)])
+    got = [lax.ppermute(h, ring_axis, [(r, _owner(2 * r + i, n)) for r in range(n)])
            for i, h in enumerate(halves)]
-    even = lax.axis_index(ring.axis) % 2 == 0
+    even = lax.axis_index(ring_axis) % 2 == 0
     return jnp.concatenate([jnp.where(even, got[0], got[1]), jnp.where(even, got[1], got[0])],
                            axis=axis)
 
 
-def _collect(x, axis: int, ring: _Ring):
-    """`_deal` undone: device r's chunks 2r and 2r + 1 back, in order."""
-    n = ring.n
+def collect(x, axis: int, ring_axis: str, n: int):
+    """`deal` undone: device r's chunks 2r and 2r + 1 back, in order."""
     low, high = jnp.split(x, 2, axis=axis)
-    even = lax.axis_index(ring.axis) % 2 == 0
+    even = lax.axis_index(ring_axis) % 2 == 0
     sent = (jnp.where(even, low, high), jnp.where(even, high, low))  # the even chunk first
-    return jnp.concatenate([lax.ppermute(h, ring.axis, [(_owner(2 * r + i, n), r)
+    return jnp.concatenate([lax.ppermute(h, ring_axis, [(_owner(2 * r + i, n), r)
                                                         for r in range(n)])
                             for i, h in enumerate(sent)], axis=axis)
+
+
+def dealt_positions(n: int, length: int, zigzag: bool) -> np.ndarray:
+    """int [length]: the sequence position each place of a ring's blocks holds, device by
+    device, as `attend` deals a sequence of `length` over n devices (`deal`, `_chunks`)."""
+    chunk = length // (n * len(_chunks(0, n, zigzag)))
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk)
+                           for r in range(n) for c in _chunks(r, n, zigzag)])
 
 
 def _part(x, i: int, parts: int, axis: int):

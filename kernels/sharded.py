@@ -6,9 +6,12 @@ partitioned"), so a program sharded over a mesh runs each kernel call per shard:
 axis over mesh axes that divide it, the heads over axes that divide both the query and the
 key/value heads (each shard keeps whole GQA groups). A mesh axis left over splits the
 sequence: each device keeps its block of queries and the key/value blocks go round the ring,
-where `ring.refusal` takes the call; elsewhere that axis replicates the call. Whether the ring
-pays against XLA's all-gather is priced above this layer (`hlotool.cost.split`): with
-`kernel="auto"` flash_jit keeps such a site native where it does not.
+where `ring.refusal` takes the call; elsewhere that axis replicates the call. The ring's steps
+are the chunked kernel's, except where the call's platform runs a TPU kernel and tokamax's
+ring splash takes the call (`ring_tokamax.refusal`): there tokamax's kernel runs the ring.
+Whether the ring pays against XLA's all-gather is priced above this layer
+(`hlotool.cost.split`): with `kernel="auto"` flash_jit keeps such a site native where it
+does not.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from typing import Any, Callable, Sequence
 import jax
 
 from hlotool import jaxcompat
-from hlotool.kernels import ring
-from hlotool.kernels.base import Call
+from hlotool.kernels import ring, ring_tokamax
+from hlotool.kernels.base import AttentionKernel, Call
 from hlotool.kernels.drawn import DrawnMask
 from hlotool.site import AttentionSite
 
@@ -87,8 +90,8 @@ def split_note(mesh: Any, site: AttentionSite) -> str:
         dealt = (", dealt zig-zag so every device computes as much of the causal mask"
                  if ring.dealt_zigzag(site.band, site.q_len // n) else "")
         parts.append(f"sequence over mesh axis {seq} ({n} devices) as ring attention: K/V "
-                     f"blocks passed round, none gathered, each step in the chunked kernel"
-                     f"{dealt}")
+                     f"blocks passed round, none gathered, each step in the chunked kernel "
+                     f"({ring_tokamax.note(site, n)}){dealt}")
     elif why:
         parts.append(f"not the sequence as a ring ({why}): a mesh axis left over holds the "
                      "call whole")
@@ -120,11 +123,18 @@ def on_mesh(run: Callable[[Call], jax.Array], call: Call, mesh: Any) -> jax.Arra
     args = (call.q, call.k, call.v, call.bias, call.mask, call.kv_lengths,
             *(call.segments or (None, None)), call.query_mask)
 
+    tokamax = _tokamax_ring(run, call, mesh.shape[seq]) if seq else None
+
     def shard(q, k, v, bias, mask, kv_lengths, q_ids, kv_ids, query_mask):
         local = dataclasses.replace(
             call, q=q, k=k, v=v, bias=bias, mask=mask, kv_lengths=kv_lengths,
             segments=None if q_ids is None else (q_ids, kv_ids), query_mask=query_mask)
-        return ring.attend(local, seq, mesh.shape[seq]) if seq else run(local)
+        if not seq:
+            return run(local)
+        if tokamax is not None:
+            return ring_tokamax.attend(local, seq, mesh.shape[seq],
+                                       interpret=getattr(tokamax, "interpret", False))
+        return ring.attend(local, seq, mesh.shape[seq])
 
     # Explicit-axis meshes type values with their sharding: shard_map wants them already
     # split as `specs` says.
@@ -133,3 +143,16 @@ def on_mesh(run: Callable[[Call], jax.Array], call: Call, mesh: Any) -> jax.Arra
             x, jax.sharding.NamedSharding(mesh, s)) for x, s in zip(args, specs))
     return jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=qkv,
                          check_vma=False)(*args)
+
+
+def _tokamax_ring(run: Callable[[Call], jax.Array], call: Call, n: int
+                  ) -> AttentionKernel | None:
+    """The TPU kernel whose `run` this is, where the ring of `call` (split n ways) runs in
+    tokamax's ring splash instead of chunked steps: the call's platform is TPU (`run` is a
+    TPU kernel's, which `per_platform` stages there alone) and tokamax's ring takes the call
+    (`ring_tokamax.refusal`, whose reason `split_note` shows); None otherwise."""
+    kernel = getattr(run, "__self__", None)  # `run` is a registered kernel's bound method
+    if (isinstance(kernel, AttentionKernel) and tuple(kernel.platforms) == ("tpu",)
+            and ring_tokamax.refusal(call.site(), call.features, n) is None):
+        return kernel
+    return None

@@ -126,7 +126,7 @@ def test_the_ring_says_what_it_splits_and_refuses_by_name():
     them, the sequence as a ring over an axis left over, or why not."""
     import dataclasses
 
-    from hlotool.kernels import ring
+    from hlotool.kernels import ring, ring_tokamax
     from hlotool.kernels.sharded import split_note
     from hlotool.site import AttentionSite
 
@@ -136,14 +136,18 @@ def test_the_ring_says_what_it_splits_and_refuses_by_name():
     site = AttentionSite(batch=2, q_len=1024, kv_len=1024, num_q_heads=4, num_kv_heads=2,
                          head_dim=64, v_head_dim=64, dtype="float32", scale=0.125,
                          mask="causal")
+    # What runs the ring on TPU (tokamax's ring splash, or why not: tests/test_ring_tokamax.py)
+    on_tpu = ring_tokamax.note(site, 8)
     assert split_note(Mesh, site) == (
         "on the mesh: batch over mesh axes data; sequence over mesh axis seq (8 devices) as "
         "ring attention: K/V blocks passed round, none gathered, each step in the chunked "
-        "kernel, dealt zig-zag so every device computes as much of the causal mask")
-    assert split_note(Mesh, dataclasses.replace(site, mask="none", causal=False)).endswith(
-        "each step in the chunked kernel")
+        f"kernel ({on_tpu}), dealt zig-zag so every device computes as much of the causal mask")
+    unmasked = dataclasses.replace(site, mask="none", causal=False)
+    assert split_note(Mesh, unmasked).endswith(
+        f"each step in the chunked kernel ({ring_tokamax.note(unmasked, 8)})")
     windowed = dataclasses.replace(site, window=(128, 0))
-    assert split_note(Mesh, windowed).endswith("each step in the chunked kernel")
+    assert split_note(Mesh, windowed).endswith(
+        f"each step in the chunked kernel ({ring_tokamax.note(windowed, 8)})")
     biased = dataclasses.replace(site, mask="additive", causal=False)
     assert split_note(Mesh, biased) == (
         "on the mesh: batch over mesh axes data; not the sequence as a ring (an additive bias "
