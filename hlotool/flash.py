@@ -30,7 +30,7 @@ from hlotool.kernels.registry import PLATFORMS
 from hlotool.kernels.sharded import mesh_of, split_note
 from hlotool.passes.from_jaxpr import JaxprSite, describe_path, detect_jaxpr, jaxpr_at
 from hlotool.passes.replacement import (
-    Lowered, drawing_note, lower_site, repeat_note, replacement,
+    Lowered, drawing_note, lower_site, positions_note, repeat_note, replacement,
 )
 from hlotool.passes.residuals import recompute_in_backward, recomputed_here
 from hlotool.passes.rewrite import Replacement, RewriteError, inline_calls, prepare, rewrite
@@ -137,6 +137,7 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
                 replacements.append((site, prepare(jaxpr, site, replacement(
                     jaxpr, site, form, plan, on, index), cache)))
                 notes = tuple(filter(None, (form.note, repeat_note(form.kernel),
+                                            positions_note(form.kernel),
                                             drawing_note(form.kernel, plan),
                                             split_note(on, site.site))))
                 if recomputed_here(jaxpr, site):

@@ -95,6 +95,12 @@ class AttentionSite:
     # padding, as flax's `make_attention_mask(pad, pad)` ANDs beside the key padding), kept
     # apart from the operand `mask` and `mask_axes` describe.
     query_padding: bool = False
+    # The band (`causal`, `window`) is read from positions the program computes at run time,
+    # as if each were its index (the `gemma` library's sliding window, `cumsum(input_mask) -
+    # 1`): true for left padding or none, not for right padding. A rewrite checks per call
+    # that the program's mask equals the reading, and runs the site with its own dense mask
+    # where it does not.
+    band_from_positions: bool = False
     # The program's own operand shapes and the layout they map from ("BLHD", "BHLD", "LHD", ...).
     q_shape: tuple[int, ...] = ()
     k_shape: tuple[int, ...] = ()
@@ -131,6 +137,8 @@ class AttentionSite:
         if self.window is not None:
             left, right = ("∞" if w is None else str(w) for w in self.window)
             out.append(f"window ({left}, {right})")
+        if self.band_from_positions:
+            out.append("band from positions, checked per call")
         if self.segments:
             out.append("segment ids")
         if self.softcap is not None:

@@ -189,6 +189,12 @@ class MaskTerm:
     # softmax), so it only zeroes keys already hidden: where every row sees a key and the
     # fill leaves hidden keys no weight, a no-op; `lower` checks that at run time.
     repeats: bool = False
+    # A factor of a mask one of whose factors is a band read from positions the program
+    # computes at run time, as if each were its index (`masks.Hypothesis`: the `gemma`
+    # library's sliding window): exact only where the program's mask equals the factors'
+    # reading, which `lower` checks at run time (else the mask as the program computes it,
+    # its "exact_mask" term).
+    from_positions: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,13 +405,17 @@ class _LogitsRead:
     steps: list[LogitStep] = dataclasses.field(default_factory=list)
     # The terms of the mask and bias steps.
     masks: list[MaskTerm] = dataclasses.field(default_factory=list)
-    # Terms acting beside the logits: the sink column, and a bias read as a mask as the bias
-    # it is ("exact_bias").
+    # Terms acting beside the logits: the sink column, a bias read as a mask as the bias it
+    # is ("exact_bias"), and a mask read with a band from positions as the dense mask it is
+    # ("exact_mask").
     beside: list[MaskTerm] = dataclasses.field(default_factory=list)
     # (predicate, (keep_when, layout)) of each select hiding logits: a mask after the softmax
     # that repeats one of them only zeroes keys already hidden.
     selects: list[tuple[Node, tuple[bool, Layout]]] = dataclasses.field(default_factory=list)
-    exact_step: LogitStep | None = None  # the bias read as a mask, as the bias it is
+    # Each step whose terms are a reading a run-time check guards (a bias read as a mask,
+    # a mask read with a band from positions), as the program writes it; its terms share
+    # the step's `at` node.
+    exact_steps: list[LogitStep] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -673,13 +683,18 @@ def _read_mask_step(labelled: _Labelled, link: Link, below: tuple[Link, ...],
     if read_as_mask:
         exact = _mask_term(link, labels, roles)
         read.beside.append(dataclasses.replace(exact, kind="exact_bias"))
-        read.exact_step = LogitStep("bias", node.dtype, term=exact)
+        read.exact_steps.append(LogitStep("bias", node.dtype, term=exact))
         for term in read_as_mask:
             read.masks.append(term)
             read.steps.append(LogitStep("mask", node.dtype, term=term))
         return
-    for term in (_conjuncts(link, labels, roles, labelled.position, labelled.scores)
-                 or [_mask_term(link, labels, roles)]):
+    terms = (_conjuncts(link, labels, roles, labelled.position, labelled.scores)
+             or [_mask_term(link, labels, roles)])
+    if any(t.from_positions for t in terms):
+        exact = _mask_term(link, labels, roles)  # the program's own mask, dense
+        read.beside.append(dataclasses.replace(exact, kind="exact_mask"))
+        read.exact_steps.append(LogitStep("mask", node.dtype, term=exact))
+    for term in terms:
         read.masks.append(term)
         read.steps.append(LogitStep(link.kind, node.dtype, term=term))
 
@@ -798,32 +813,38 @@ def _logits_chain(read: _LogitsRead) -> tuple[Logits, list[MaskTerm], list[MaskT
     that reading makes them (an additive causal constant that does not end -inf is an
     additive bias), and the terms beside the logits.
 
-    Where a bias was read as a mask and that reading fails (replay refuses it, or lower's
-    run-time check), the chain as the program writes it: the bias in place of the mask."""
+    Where a bias was read as a mask, or a mask with a band from positions, and that reading
+    fails (replay refuses it, or lower's run-time check), the chain as the program writes
+    it: the bias in place of the mask, the dense mask in place of its factors."""
     chain = replay(read.steps)
     masks, beside = read.masks, read.beside
-    if read.exact_step is not None:
-        exact = replay(_as_written(read.steps, read.exact_step))
+    if read.exact_steps:
+        exact = replay(_as_written(read.steps, read.exact_steps))
         if chain.refusal is not None:
             chain = exact
-        elif chain.checks:
+        elif chain.checks or chain.positions:
             chain = dataclasses.replace(chain, exact=exact)
         if chain is exact:
-            masks = [t for t in masks if not t.rounds_to_fill] + [read.exact_step.term]
-            beside = [t for t in beside if t.kind != "exact_bias"]
+            written = {id(step.term.at) for step in read.exact_steps}
+            masks = ([t for t in masks if id(t.at) not in written]
+                     + [step.term for step in read.exact_steps])
+            beside = [t for t in beside if t.kind not in ("exact_bias", "exact_mask")]
     if chain.refusal is None:
         masks = [t for t, _ in chain.biases] + list(chain.masks)
     return chain, list(masks), list(beside)
 
 
-def _as_written(steps: list[LogitStep], exact_step: LogitStep) -> list[LogitStep]:
-    """`steps` with the terms read from a bias as a mask replaced by that bias, once."""
-    written, placed = [], False
+def _as_written(steps: list[LogitStep], exact_steps: list[LogitStep]) -> list[LogitStep]:
+    """`steps` with the terms of each checked reading (those applied at one of
+    `exact_steps`' nodes) replaced by that step as the program writes it, once."""
+    exact = {id(step.term.at): step for step in exact_steps}
+    written, placed = [], set()
     for t in steps:
-        if t.term is not None and t.term.rounds_to_fill:
-            if not placed:
-                written.append(exact_step)
-            placed = True
+        at = id(t.term.at) if t.term is not None else None
+        if at in exact:
+            if at not in placed:
+                written.append(exact[at])
+            placed.add(at)
             continue
         written.append(t)
     return written
@@ -863,6 +884,7 @@ def _attention_site(m: dict, function: str, operands: _Operands, scale: float | 
         dropout=any(t.kind == "dropout" or id(t.at) in drawn_keep for t in beside),
         out_scale=None if probs.out_factor == 1.0 else probs.out_factor,
         sinks=any(t.kind == "sinks" for t in beside), window=window,
+        band_from_positions=chain.refusal is None and chain.positions,
         segments=any(t.kind == "segment_q" for t in masks), query_padding=bool(rows),
         q_shape=operands.q.node.shape, k_shape=operands.k.node.shape,
         v_shape=operands.v.node.shape, layout=operands.q.layout.roles,
@@ -1263,23 +1285,26 @@ def _conjuncts(link: Link, labels: axes.Labels, roles: _Roles, position: dict[in
     when a factor is a causal mask or a window read from its structure (`jnp.tril(...) &
     padding`, gemma's and HF's masks) or segment ids: the kernel then skips blocks for a band,
     compares ids per tile and reads the other factors as they are, small (a key padding mask
-    stays [B, 1, 1, Lk]). None when the mask has no such factor."""
+    stays [B, 1, 1, Lk]). A band may be read from positions the program computes
+    (`MaskTerm.from_positions`), checked per call. None when the mask has no such factor."""
     if link.kind != "mask":
         return None
     pred, fill_node = link.sides
     keep = link.chain_input == 1  # where(~(a & b), fill, s) keeps where a & b
     return _factors(link.node, pred, keep, uniform_value(fill_node), labels, roles, position,
-                    scores, need_band=True, lengths=_score_lengths(link.node, labels, roles))
+                    scores, need_band=True, lengths=_score_lengths(link.node, labels, roles),
+                    positions=True)
 
 
 def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
              roles: _Roles, position: dict[int, int], scores: Node, *, need_band: bool,
-             lengths: tuple[int, int] | None, rounds_to_fill: bool = False
-             ) -> list[MaskTerm] | None:
+             lengths: tuple[int, int] | None, rounds_to_fill: bool = False,
+             positions: bool = False) -> list[MaskTerm] | None:
     """The terms of a boolean `pred` (True = `keep`) hiding keys with `fill`, one per factor
     of an AND, seen through layout ops, `not` and `x > 0` of a cast boolean (`labels` are
     `pred`'s). None when a factor depends on the scores, or (`need_band`) none is in kernel
-    terms (a band or segment ids)."""
+    terms (a band or segment ids). `positions`: a factor comparing run-time positions may be
+    read as a band, as if they were indices; every term is then `from_positions`."""
     while pred.op in ("convert", "copy", "broadcast", "reshape", "not", "compare"):
         if pred.op == "convert" and pred.inputs[0].dtype != "bool":
             break  # a cast from a number is the factor itself, x != 0 (Wav2Vec2's int mask)
@@ -1316,7 +1341,7 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
             stack.extend((x, inner, inner_labels) for x in reversed(_zero_one_sides(inner)))
         else:
             leaves.append((n, at_labels))
-    terms, structural = [], False
+    terms, structural, guessed = [], False, False
     for leaf, leaf_labels in leaves:
         if uniform_value(leaf) == 1:  # `ones & mask` (jax.nn.dot_product_attention)
             continue
@@ -1327,7 +1352,14 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
             found = masks.band(leaf, *qk)
             if found is None:
                 found = _folded_band(leaf, qk)
-            window = masks.window(found, *lengths)
+            if found is None and positions and not _depends_on(leaf, scores, position) \
+                    and _segments(leaf, roles.layout(leaf.shape, leaf_labels, "BHLK"), at,
+                                  fill, rounds_to_fill) is None:
+                # Not `q_ids == kv_ids` (segment ids), whose guess would be the diagonal.
+                window = masks.window(masks.band(leaf, *qk, positions=True), *lengths)
+                guessed = guessed or window is not None
+            else:
+                window = masks.window(found, *lengths)
         if window is not None:
             structural = True
             kind = "causal" if window == CAUSAL else "window"
@@ -1349,6 +1381,8 @@ def _factors(at: Node, pred: Node, keep: bool, fill: float, labels: axes.Labels,
                               space, fill=fill, rounds_to_fill=rounds_to_fill))
     if need_band and not structural:
         return None
+    if guessed:
+        terms = [dataclasses.replace(t, from_positions=True) for t in terms]
     return terms or None
 
 

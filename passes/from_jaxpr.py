@@ -313,6 +313,12 @@ class MaskVar:
     derivative of the site is taken with respect to it. `drawn`: for a post-softmax operand
     that the program draws from jax.random elementwise (dropout's keep mask), the equations
     from its keys to `var` (`kernels.drawn`), whose inputs the replacement reads instead.
+    `cone`: for kind "exact_mask" (the program's own mask, which a call reading a band from
+    positions is checked against and falls back to), the equations computing `var` from the
+    values smaller than one [Lq, Lk] plane they start from (positions, padding, constants),
+    which the replacement reads instead (`passes.lower.mask_value`): the mask is computed
+    where it is used, fused into the check's reduction and inside the fallback's branch,
+    never passed whole to either.
     """
 
     kind: str
@@ -326,6 +332,33 @@ class MaskVar:
     key_lengths: Any | None = None
     direct: Any | None = None
     drawn: jaxcompat.Jaxpr | None = None
+    cone: jaxcompat.Jaxpr | None = None
+
+
+def _small_cone(jaxpr: jaxcompat.Jaxpr, out: Any, plane: int, limit: int = 64
+                ) -> jaxcompat.Jaxpr | None:
+    """The equations computing `out` from the values of fewer than `plane` elements (and
+    the jaxpr's inputs and constants) they start from, as a jaxpr from those to `out`; None
+    where `out` has no producer here, an equation has effects, or more than `limit` of them
+    take part."""
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    if out not in producer:
+        return None
+    taken, inputs, pending = set(), [], [out]
+    while pending:
+        v = pending.pop()
+        if isinstance(v, jaxcompat.Literal) or v in inputs:
+            continue
+        if v is not out and (v not in producer or math.prod(v.aval.shape) < plane):
+            inputs.append(v)
+        elif producer[v] not in taken:
+            eqn = jaxpr.eqns[producer[v]]
+            if eqn.effects or len(taken) >= limit:
+                return None
+            taken.add(producer[v])
+            pending.extend(eqn.invars)
+    return jaxpr.replace(constvars=[], invars=inputs, outvars=[out],
+                         eqns=[jaxpr.eqns[i] for i in sorted(taken)])
 
 
 def _drawn(jaxpr: jaxcompat.Jaxpr, m: MaskVar) -> jaxcompat.Jaxpr | None:
@@ -481,6 +514,9 @@ def _to_jaxpr_site(closed: jaxcompat.ClosedJaxpr, match: Match,
         for t in match.masks)
     masks = tuple(dataclasses.replace(m, drawn=_drawn(jaxpr, m))
                   if m.kind in ("post", "dropout") else m for m in masks)
+    plane = match.site.q_len * match.site.kv_len
+    masks = tuple(dataclasses.replace(m, cone=_small_cone(jaxpr, m.var, plane))
+                  if m.kind == "exact_mask" and m.var is not None else m for m in masks)
     multipliers = tuple(
         MaskVar("multiplier", *_visible(t.operand, level), t.scores_layout.shape,
                 t.scores_layout, direct=direct(t.operand))

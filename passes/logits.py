@@ -69,9 +69,14 @@ class Logits:
     # program adds it, that add's dtype, the chain's scale before it); the reading is exact
     # when C·|q·k| stays below half F's ulp (C: that scale times q's and k's pre-scaling).
     checks: tuple[tuple[float, str, float], ...] = ()
-    exact: Logits | None = None  # the chain with those masks as the biases they are (or why
-    # it has no kernel form); None when there are no checks
+    exact: Logits | None = None  # the chain as the program writes it, without the readings
+    # a run-time check guards (`checks`, `positions`), or why it has no kernel form; None
+    # when there are no checks
     refusal: str | None = None
+    # A mask's band is read from positions the program computes at run time, as if each
+    # were its index (`MaskTerm.from_positions`): exact where the program's mask equals the
+    # reading, which `lower` checks per call.
+    positions: bool = False
 
 
 def _np_dtype(dtype: str) -> np.dtype:
@@ -117,6 +122,7 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
     biases: list[list] = []  # [term, multiplier, replayed value of an additive causal]
     hides: list[list] = []  # [term, replayed fill]
     checks: set[tuple[float, str, float]] = set()
+    positions = False
     for step in steps:
         if step.kind == "softcap":
             if cap is not None:
@@ -146,6 +152,7 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
                     entry[2] = _in(step.dtype, entry[2])
         elif step.kind == "mask":
             hides.append([step.term, _in(step.dtype, step.term.fill)])
+            positions = positions or step.term.from_positions
             if step.term.rounds_to_fill and math.isfinite(step.term.fill):
                 # s + -inf is -inf for any finite s: only a finite F needs the check.
                 checks.add((_in(step.dtype, step.term.fill), step.dtype, scale))
@@ -187,7 +194,7 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
                   fill=fills.pop() if fills else -math.inf,
                   softcap=None if cap is None else abs(cap),
                   window=None if window == (None, 0) else window,
-                  checks=tuple(sorted(checks)))
+                  checks=tuple(sorted(checks)), positions=positions)
 
 
 def _intersection(windows: list[tuple[int | None, int | None]]

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hlotool import jaxcompat
 from hlotool.kernels.base import (
     Call,
     Features,
@@ -84,11 +85,14 @@ class KernelForm:
     # where every row sees a key and keys at this fill weigh below float32 resolution
     # (`reads_as_mask`); else `fallback`, the site as it is.
     hard_fill: float | None = None
+    # The band is read from run-time positions as if they were indices (`Logits.positions`):
+    # exact at a call where the mask this form reads equals the program's own (`fallback`'s).
+    positions: bool = False
 
     @property
     def checked(self) -> bool:
         """Whether a call must pass `reads_as_mask` to run this form (else `fallback`)."""
-        return bool(self.checks) or self.hard_fill is not None
+        return bool(self.checks) or self.hard_fill is not None or self.positions
 
     @property
     def features(self) -> Features:
@@ -116,7 +120,8 @@ class KernelForm:
         def var_free(m: MaskVar) -> tuple:
             return (m.kind, m.at_shape, m.scores_layout, m.keep_when,
                     tuple((n.op, n.shape, n.dtype, repr(sorted(n.params.items())))
-                          for n in m.replay), None if m.drawn is None else str(m.drawn))
+                          for n in m.replay), None if m.drawn is None else str(m.drawn),
+                    None if m.cone is None else str(m.cone))
         return (self.scale, self.causal, self.window, self.fill, self.nan_rows, self.softcap,
                 self.out_factor,
                 tuple((var_free(m), mult) for m, mult in self.biases),
@@ -124,7 +129,7 @@ class KernelForm:
                 tuple(var_free(m) for m in self.multipliers),
                 tuple(var_free(m) for m in self.post_masks),
                 None if self.sinks is None else var_free(self.sinks), self.checks,
-                self.hard_fill,
+                self.hard_fill, self.positions,
                 tuple(var_free(m) for m in self.segments or ()),
                 tuple(var_free(m) for m in self.query_masks),
                 None if self.fallback is None else self.fallback.signature())
@@ -143,13 +148,19 @@ def lower(site: JaxprSite) -> KernelForm:
     if chain.refusal is not None:
         raise RewriteError(chain.refusal)
     form = _form(site, chain)
-    if chain.checks:
+    if chain.checks or chain.positions:
         # q·k times this stays below half F's ulp for the mask reading to be exact.
         pre = site.scale / chain.scale if chain.scale else 0.0
         checks = tuple((fill, dtype, abs(pre * before)) for fill, dtype, before in chain.checks)
         exact = chain.exact
         fallback = None if exact is None or exact.refusal is not None else _form(site, exact)
-        form = dataclasses.replace(form, checks=checks, fallback=fallback)
+        if chain.positions and fallback is None:
+            # The check reads the program's mask from the form computing the site as written.
+            raise RewriteError(exact.refusal if exact is not None else
+                               "its band is read from positions, and the mask as the program "
+                               "computes it has no kernel form to check the reading against")
+        form = dataclasses.replace(form, checks=checks, fallback=fallback,
+                                   positions=chain.positions)
     repeats = {id(m) for t, m in zip(site.match.masks, site.masks) if t.repeats}
     if repeats:
         form = dataclasses.replace(
@@ -190,18 +201,31 @@ def _form(site: JaxprSite, chain) -> KernelForm:
     return form
 
 
-def reads_as_mask(form: KernelForm, call: Call) -> jax.Array:
-    """bool scalar: whether every bias `form` reads as a mask (`KernelForm.checks`), and the
+def reads_as_mask(form: KernelForm, call: Call, exact: Call | None = None) -> jax.Array:
+    """bool scalar: whether every bias `form` reads as a mask (`KernelForm.checks`), the
     -inf fill it gives in place of a repeated post-softmax mask (`KernelForm.hard_fill`),
-    compute what the program does at this call, outputs and gradients:
+    and a band read from positions (`KernelForm.positions`) compute what the program does at
+    this call, outputs and gradients:
       - its hidden keys get exactly F: |C·q·k| ≤ C·max‖q‖·max‖k‖ (Cauchy-Schwarz, with room
         for the program's own rounding of q·k) stays below half of F's ulp, so s + F rounds
         to F; false on non-finite inputs, which the additive form handles as the program does;
       - every row sees a key: in a row whose keys are all hidden the softmax is uniform both
         ways, but autodiff of s + F passes that row's gradient on to q and k, where a mask
-        passes none."""
+        passes none;
+      - the keys each query sees are the keys it sees in `exact`, the call of `fallback`,
+        which reads the program's own mask: where they are, both calls compute the same
+        function of q, k and v (one reduction over [B, Hq|1, Lq, Lk], which XLA fuses with
+        the masks' elementwise ops)."""
+    ok = jnp.asarray(True)
+    if form.positions:
+        mine, theirs = visible_keys(call), visible_keys(exact)
+        if mine is None or theirs is None:
+            raise ValueError("a band read from positions is checked against a masked call")
+        ok = jnp.all(mine == theirs)
+    if not (form.checks or form.hard_fill is not None):
+        return ok
     bound = score_bound(call)
-    ok = jnp.isfinite(bound)
+    ok = ok & jnp.isfinite(bound)
     has_key = row_has_key(call)
     if has_key is not None:
         ok = ok & jnp.all(has_key)
@@ -337,11 +361,19 @@ def _post_weights(post_masks: tuple[MaskVar, ...], keep: jax.Array | None,
     return out
 
 
+def mask_value(m: MaskVar, values: Mapping[Any, jax.Array]) -> jax.Array:
+    """The value of `m.var`: read, or computed here from its `cone`'s inputs."""
+    if m.cone is None:
+        return values[m.var]
+    (out,) = jaxcompat.eval_jaxpr(m.cone, (), *(values[v] for v in m.cone.invars))
+    return out
+
+
 def _all_of(masks: tuple[MaskVar, ...], values: Mapping[Any, jax.Array]) -> jax.Array | None:
     """The AND of boolean operands in canonical terms (True = keep), or None without any."""
     out = None
     for m in masks:
-        x = scores_operand(m, values[m.var])
+        x = scores_operand(m, mask_value(m, values))
         x = x if m.keep_when else ~x
         out = x if out is None else out & x
     return out

@@ -12,6 +12,11 @@ a conjunction of half-planes `lo <= j - i <= hi` over the query axis i and key a
 band (`band`): causal is `j - i <= 0` (top-left, as `jnp.tril`), a sliding window bounds
 both sides (`jax.nn.dot_product_attention`'s `local_window_size`, `abs(i - j) <= w`).
 Anything else is left to folding, or to the mask operand itself.
+
+Positions the program computes at run time (the `gemma` library builds its sliding window
+from `cumsum(input_mask) - 1`, not from iotas) have no such form. Asked to (`band(...,
+positions=True)`), the reading takes them as their indices: a guess, right for left or no
+padding and wrong for right padding, that a rewrite checks at every call.
 """
 
 from __future__ import annotations
@@ -136,12 +141,39 @@ def _exact_range(dtype: str) -> tuple[float, float] | None:
     return (0.0 if dtype.startswith("uint") else -float(top)), float(top)
 
 
+class Hypothesis(list):
+    """The evaluation budget ([steps left]) of a reading that may hypothesise positions: an
+    integer array the program computes at run time, [L] or [B, L], that no form reads (the
+    `gemma` library's `cumsum(input_mask) - 1`), is taken as its index along its last axis,
+    so that comparing such positions with each other reads as a band. True only for some
+    inputs (left padding, no padding), so a band read so is a guess: `attention` marks its
+    terms (`MaskTerm.from_positions`) and a rewrite checks per call that the program's mask
+    equals the reading (`lower.reads_as_mask`)."""
+
+
+def _position_guess(node: Node) -> Affine | None:
+    """`node` as its index along its last axis, where it is such a run-time integer array
+    (not a constant, not a layout op of one: the hypothesis lands on the array itself)."""
+    if (not node.dtype.startswith(("int", "uint")) or len(node.shape) not in (1, 2)
+            or node.shape[-1] < 2 or node.op in ("constant", "iota")
+            or node.op in _AFFINE_OPS
+            or node.op in ("broadcast", "reshape", "transpose", "slice", "dynamic_slice",
+                           "dynamic-slice")):
+        return None
+    coef = [0.0] * len(node.shape)
+    coef[-1] = 1.0
+    return Affine(tuple(coef), 0.0)
+
+
 def _eval(node: Node, budget: list[int]) -> Value | None:
     """The symbolic value of `node`; None where it is not one of the forms, or where an
     affine form is not exact in its dtype: it must take integer values only (a float
     position `arange * 0.1` rounds, and its comparisons with it), each one the dtype holds
-    (folding decides there, or the mask is read as the values the program computes)."""
+    (folding decides there, or the mask is read as the values the program computes).
+    Under a `Hypothesis` budget, run-time positions no form reads are their indices."""
     value = _eval_unchecked(node, budget)
+    if value is None and isinstance(budget, Hypothesis) and budget[0] >= 0:
+        value = _position_guess(node)
     if isinstance(value, Affine) and not _exact(value, node):
         return None
     return value
@@ -407,12 +439,14 @@ def _slab(value: Xor, q_axis: int, k_axis: int) -> Band | None:
     return None
 
 
-def band(mask: Node, q_axis: int, k_axis: int, hides: bool = False) -> Band | None:
+def band(mask: Node, q_axis: int, k_axis: int, hides: bool = False,
+         positions: bool = False) -> Band | None:
     """(lo, hi) for a boolean mask whose visible keys are `lo <= j - i <= hi` (query index i
     along `q_axis`, key index j along `k_axis` of the mask's own array; None for an unbounded
     side; `hides`: the mask is True where keys are hidden): (None, 0) is causal. None when the
-    mask is not a function of those indices of that form."""
-    value = _eval(mask, [256])
+    mask is not a function of those indices of that form. `positions`: run-time positions are
+    taken as their indices (`Hypothesis`): a band then holds only where that is so."""
+    value = _eval(mask, Hypothesis([256]) if positions else [256])
     if isinstance(value, Xor) and not hides:
         found = _slab(value, q_axis, k_axis)
     elif not isinstance(value, Pred):

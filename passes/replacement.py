@@ -107,18 +107,25 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, lowered: Lowered,
 
                 if not form.checked:
                     return attend(name, call, after)
-                # A bias read as a mask, or a -inf fill for a repeated post-softmax mask,
-                # where the reading is exact at this call; else the site as it is, in the
-                # exact kernel (or its own equations where no kernel form has it).
+                # A bias read as a mask, a -inf fill for a repeated post-softmax mask, or a
+                # band read from positions, where the reading is exact at this call; else
+                # the site as it is, in the exact kernel (or its own equations where no
+                # kernel form has it).
+                # The fallback's operands are computed inside its branch: a dense mask
+                # computed from positions (`MaskVar.cone`) is then never passed whole to the
+                # cond; the check computes it again, into its reduction.
+                exact = None
                 if form.fallback is None:
                     def slow():
                         return own(values)
                 else:
-                    exact, exact_after = lower.operands(form.fallback, site, values, direct)
-
                     def slow():
-                        return attend("chunked", exact, exact_after)
-                return jax.lax.cond(lower.reads_as_mask(form, call),
+                        return attend("chunked", *lower.operands(form.fallback, site, values,
+                                                                 direct))
+
+                    if form.positions:
+                        exact, _ = lower.operands(form.fallback, site, values, direct)
+                return jax.lax.cond(lower.reads_as_mask(form, call, exact),
                                     lambda: attend(name, call, after), slow)
         return run
 
@@ -131,15 +138,21 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, lowered: Lowered,
         # site's own source lines, so it is traced per site (and a derivative replaced
         # beside the site is traced with it).
         at = {v: i for i, v in enumerate(inputs)}
+        forms = (form,) if form.fallback is None else (form, form.fallback)
         cache_key = (
             tuple(sorted(plan.items())), mesh, form.signature(),
-            tuple(at.get(m.var) for m, _ in form.biases),
-            tuple(at.get(m.var) for m in form.operand_masks),
+            tuple(at.get(v) for f in forms for m, _ in f.biases for v in _reads(m)),
+            tuple(at.get(v) for f in forms for m in f.operand_masks for v in _reads(m)),
             at[site.q.var], site.q.layout, at[site.k.var], site.k.layout, at[site.v.var],
             site.v.layout, site.out_layout, site.out.aval)
     return Replacement(run, scope=scope(index, site.site), backward=backward,
                        recomputes=recomputes, cache_key=cache_key)
 
+
+
+def _reads(m) -> tuple:
+    """The variables a replacement reads for the operand `m` (`lower.mask_value`)."""
+    return (m.var,) if m.cone is None else tuple(m.cone.invars)
 
 
 def repeat_note(form: lower.KernelForm) -> str:
@@ -150,6 +163,15 @@ def repeat_note(form: lower.KernelForm) -> str:
             "hidden keys at -inf, where every row sees a key and the fill "
             f"{form.hard_fill:g} leaves them no weight (checked per call; else the site as it "
             "is, in chunked)")
+
+
+def positions_note(form: lower.KernelForm) -> str:
+    """How the call reads a band built from run-time positions."""
+    if not form.positions:
+        return ""
+    return ("its band is read from positions the program computes, as if each were its "
+            "index (true for left padding or none): checked per call against the program's "
+            "own mask; else the site as it is, with its dense mask, in chunked")
 
 
 def drawing_note(form: lower.KernelForm, plan: Mapping[str, str | None]) -> str:

@@ -91,8 +91,8 @@ class Replacement:
 def free_inputs(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> list[Any]:
     """Variables a replacement may read: those the site's equations read but do not define,
     in first-use order, then the masks' own operands (`MaskVar.var`, before the program
-    broadcast them, and the keys a drawn one comes from), all defined before the site's
-    output."""
+    broadcast them, the keys a drawn one comes from, the small values a mask's `cone`
+    computes it from, in its place), all defined before the site's output."""
     defined, seen, out = set(), set(), []
     for i in site.eqns:
         for v in jaxpr.eqns[i].invars:
@@ -103,7 +103,8 @@ def free_inputs(jaxpr: jaxcompat.Jaxpr, site: JaxprSite) -> list[Any]:
         defined.update(jaxpr.eqns[i].outvars)
     for m in (*site.masks, *site.multipliers):
         drawn_from = () if m.drawn is None else m.drawn.invars
-        for v in (m.var, m.key_lengths, *drawn_from):
+        own = (m.var,) if m.cone is None else tuple(m.cone.invars)
+        for v in (*own, m.key_lengths, *drawn_from):
             if v is not None and v not in seen and v not in defined:
                 seen.add(v)
                 out.append(v)

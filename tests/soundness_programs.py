@@ -6,7 +6,9 @@ sequence of steps: scale (mul/div by 1e-6 … 1e3), masks (`where(m, s, fill)` o
 fill -inf / finfo.min / -1e9 / -1e4 / -5; causal top-left or bottom-right, sliding window,
 random boolean, key padding from lengths, rows with no visible key, `tril & padding`
 built in the program as gemma and Hugging Face combine them, query padding alone and flax's
-outer AND of query and key padding with tril), additive biases of every
+outer AND of query and key padding with tril, the `gemma` library's sliding window compared
+on positions `cumsum(input_mask) - 1` of a left-, right- or un-padded batch), additive biases
+of every
 broadcast shape (some with -inf / finfo.min entries), additive causal constants and tanh
 soft-capping (`tanh(s / c) * c`); in f32, bf16 or f16, BLHD / BHLD / merged-heads layouts, GQA
 by repeat, Lq = 1 and Lk = 1 included. A sink logit per head may be concatenated as one more
@@ -76,7 +78,7 @@ FILLS = ("-inf", "finfo.min", "-1e9", "-1e4", "-5")
 MASKS = ("causal", "causal_bottom_right", "window", "boolean", "key_padding",
          "causal_and_padding", "band", "band_and_padding", "segments", "segments_and_causal",
          "keras_merged", "nnx_combined", "ones_and_padding", "transposed_and_causal",
-         "query_padding", "query_and_key_padding")
+         "query_padding", "query_and_key_padding", "positions_window")
 # Masks whose arithmetic is not what it looks like, or has a traced part: built in the
 # program, each must be read as the values it computes or keep the site native.
 #   window_uint32: `(i - j) < 3` over uint32 positions, which wraps for j > i (hidden)
@@ -114,8 +116,11 @@ class Step:
     shape: str = "qk"  # bias shape
     extreme: str = ""  # bias: "" | "-inf" | "finfo.min" entries
     # mask "band" / "band_and_padding": (left, right), query i sees keys i - left .. i + right
-    # (None: unbounded), built in the program from iotas (abs(i - j) <= w when left == right)
+    # (None: unbounded), built in the program from iotas (abs(i - j) <= w when left == right);
+    # mask "positions_window": (w,), keys whose positions are within w - 1 of the query's
     window: tuple = ()
+    # mask "positions_window": where the input mask pads its tokens, "left" | "right" | "none"
+    padding: str = ""
     # mask: its value closed over as a constant of the program (a key padding mask then keeps
     # its [B, 1, 1, Lk] shape), not an argument
     constant: bool = False
@@ -213,6 +218,8 @@ class Program:
                 out += [f"{prefix}:{s.mask}", f"fill:{s.fill}"]
                 if s.window:
                     out.append("window:" + ",".join(str(w) for w in s.window))
+                if s.padding:
+                    out.append(f"padding:{s.padding}")
                 if s.empty_row:
                     out.append("empty_row")
                 if s.constant:
@@ -257,6 +264,11 @@ def _mask(step: Step, p: Program, rng: np.random.Generator) -> np.ndarray | None
         return rng.random((p.b, 1, p.lq, 1)) < 0.75
     if step.mask == "query_and_key_padding":  # bool [B, Lq + Lk]: queries' then keys' padding
         return rng.random((p.b, p.lq + p.lk)) < 0.8
+    if step.mask == "positions_window":  # bool [B, L]: the input mask, n tokens of L (n ≥ 0)
+        tokens = rng.integers(0, p.lk + 1, size=p.b)[:, None]
+        index = np.arange(p.lk)[None]
+        return {"left": index >= p.lk - tokens, "right": index < tokens,
+                "none": np.ones((p.b, p.lk), bool)}[step.padding]
     i = np.arange(p.lq)[:, None]
     j = np.arange(p.lk)[None, :]
     if step.mask == "causal":
@@ -302,6 +314,18 @@ def _tricky_mask(step: Step, p: Program, arg):
     if step.mask == "tril_k":
         return jnp.tril(jnp.ones((p.lq, p.lk), bool), step.offset)
     return (jnp.arange(p.lk)[None, :] < arg[:, None])[:, None, None, :]  # lengths
+
+
+def _positions_window(input_mask, window: int, p: Program):
+    """The `gemma` library's local mask from its input mask [B, L] (Lq == Lk == L):
+    positions 0, 1, ... of the tokens (a padded one repeats its neighbour's), key padding ANDed
+    with tril, times keys whose positions are within `window` - 1 of the query's; [B, 1, L, L]."""
+    counted = jnp.cumsum(input_mask, axis=-1)
+    positions = counted - (counted >= 1)
+    keys, queries = positions[:, None, :], positions[:, :, None]
+    mask = input_mask[:, None, :] * jnp.tril(jnp.ones((p.lq, p.lk), bool))[None]
+    sliding = (keys > queries - window) * (keys < queries + window)
+    return (mask * sliding)[:, None]
 
 
 def _keras_merged(padding, p: Program):
@@ -489,7 +513,8 @@ def build(p: Program, compute: str | None = None, logits: bool = False
     first_mask = next((i for kind, at, i in extra if kind == "mask"
                        and p.steps[at].mask in MASKS and not p.steps[at].int_mask
                        and not p.steps[at].mask.startswith("segments")
-                       and p.steps[at].mask != "query_and_key_padding"), None)
+                       and p.steps[at].mask not in ("query_and_key_padding",
+                                                    "positions_window")), None)
     repeated = next((at for at in reversed(range(len(p.steps)))
                      if p.steps[at].kind == "mask"), None)
     if p.post_mask in ("data", "mirrored") or (p.post_mask == "same" and first_mask is None) \
@@ -567,6 +592,8 @@ def build(p: Program, compute: str | None = None, logits: bool = False
                     m = _band(step.window, p)
                 elif step.mask == "band_and_padding":
                     m = _band(step.window, p) & m
+                elif step.mask == "positions_window":
+                    m = _positions_window(m, step.window[0], p)
                 elif step.mask == "query_and_key_padding":  # flax's make_attention_mask(pad,
                     # pad) with its causal mask: an outer AND of the two paddings, then tril
                     m = (m[:, None, :p.lq, None] & m[:, None, None, p.lq:]
@@ -708,7 +735,8 @@ def _wrapped(p: Program, attention):
 
 
 @st.composite
-def programs(draw) -> Program:
+def programs(draw, masks: tuple[str, ...] = ()) -> Program:
+    """A program; `masks`: the mask kinds its mask steps draw from (default: all)."""
     dtype = draw(st.sampled_from(("float32", "float32", "bfloat16", "float16")))
     hq = draw(st.sampled_from((1, 2, 4)))
     hkv = draw(st.sampled_from([h for h in (1, 2, 4) if hq % h == 0]))
@@ -723,6 +751,8 @@ def programs(draw) -> Program:
     for _ in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(("scale", "scale", "mask", "mask", "bias", "causal_bias",
                                      "softcap", "select_bias") * 2 + ("op",)))
+        if masks and not steps:
+            kind = "mask"  # a program of the masks asked for has one
         if kind == "softcap":
             steps.append(Step("softcap", value=draw(st.sampled_from((1.0, 5.0, 30.0)))))
         elif kind == "scale":
@@ -734,10 +764,15 @@ def programs(draw) -> Program:
             steps.append(Step("op", op=draw(st.sampled_from(
                 tuple(o for o in VALUE_OPS if o != "fake_quant")))))
         elif kind in ("mask", "select_bias"):
-            mask = draw(st.sampled_from(MASKS * 3 + TRICKY_MASKS))
+            mask = draw(st.sampled_from(masks or MASKS * 3 + TRICKY_MASKS))
             if mask.startswith("causal") and lq > lk and mask == "causal_bottom_right":
                 mask = "causal"
-            window = ()
+            if mask == "positions_window":  # queries and keys: one sequence, of two or more
+                lq = lk = max(lk, 2)
+            window, padding = (), ""
+            if mask == "positions_window":
+                window = (draw(st.sampled_from((1, 3, 8, 200))),)
+                padding = draw(st.sampled_from(("left", "right", "none")))
             if mask.startswith("band"):
                 left = draw(st.sampled_from((None, 0, 2, 5)))
                 right = draw(st.sampled_from((None, -1, 0, 2, 5)))
@@ -745,7 +780,7 @@ def programs(draw) -> Program:
                     right = None
                 window = (left, right)
             steps.append(Step(kind, mask=mask, fill=draw(st.sampled_from(FILLS)),
-                              mirrored=draw(st.booleans()), window=window,
+                              mirrored=draw(st.booleans()), window=window, padding=padding,
                               empty_row=draw(st.booleans()) and mask in (
                                   "boolean", "key_padding", "causal_and_padding", "lengths"),
                               constant=draw(st.booleans()) and mask not in TRICKY_MASKS,
@@ -996,6 +1031,14 @@ def _compiled(fn, args, options):
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
+_LAST_REPORT: list = [None]
+
+
+def last_report():
+    """The rewrite report of the last program `check` rewrote (or left native)."""
+    return _LAST_REPORT[0]
+
+
 def check(p: Program, blocks: tuple[int, int] = (8, 8),
           compiler_options: dict | None = None, train: bool = False,
           checkpoint: bool = False, sharded: bool = False, layers: bool = False,
@@ -1033,6 +1076,7 @@ def check(p: Program, blocks: tuple[int, int] = (8, 8),
             rewritten = Rewritten(fn, p.kernel, mesh=ring_mesh() if ring else None)
             traced = jax.jit(value_and_grads(rewritten, diff)).trace(*args)
         report = rewritten.report
+        _LAST_REPORT[0] = report
         for site in report.sites:
             if not site.rewritten and not site.reason:
                 return "wrong", "a site stays native without a reason"
