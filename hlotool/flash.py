@@ -29,9 +29,8 @@ from hlotool.errors import HlotoolError, first_line
 from hlotool.kernels.registry import PLATFORMS
 from hlotool.kernels.sharded import mesh_of, split_note
 from hlotool.passes.from_jaxpr import JaxprSite, describe_path, detect_jaxpr, jaxpr_at
-from hlotool.passes.replacement import (
-    Lowered, drawing_note, lower_site, positions_note, repeat_note, replacement,
-)
+from hlotool.passes.replacement import (Lowered, drawing_note, lower_site, positions_note,
+                                        repeat_note, replacement)
 from hlotool.passes.residuals import recompute_in_backward, recomputed_here
 from hlotool.passes.rewrite import Replacement, RewriteError, inline_calls, prepare, rewrite
 from hlotool.passes.tracing import TraceError
@@ -139,7 +138,7 @@ def _plan(closed: jaxcompat.ClosedJaxpr, sites: list[JaxprSite], function: str, 
                 notes = tuple(filter(None, (form.note, repeat_note(form.kernel),
                                             positions_note(form.kernel),
                                             drawing_note(form.kernel, plan),
-                                            split_note(on, site.site))))
+                                            split_note(on, site.site, bool(plan.get("tpu"))))))
                 if recomputed_here(jaxpr, site):
                     notes += ("recomputed in the backward loop from its inputs, which the "
                               "forward loop saves in place of its probabilities",)

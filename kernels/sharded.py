@@ -17,7 +17,7 @@ does not.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 
@@ -78,8 +78,10 @@ def split(mesh: Any, site: AttentionSite
     return batch, heads, (None if why else axis), why or ""
 
 
-def split_note(mesh: Any, site: AttentionSite) -> str:
-    """How a kernel call of `site` is split over `mesh`, for reports ("" where it is not)."""
+def split_note(mesh: Any, site: AttentionSite, on_tpu: bool = True) -> str:
+    """How a kernel call of `site` is split over `mesh`, for reports ("" where it is not).
+    on_tpu: whether a TPU kernel runs the call (then the note says whether tokamax's ring
+    runs it there)."""
     if mesh is None:
         return ""
     batch, heads, seq, why = split(mesh, site)
@@ -90,18 +92,19 @@ def split_note(mesh: Any, site: AttentionSite) -> str:
         dealt = (", dealt zig-zag so every device computes as much of the causal mask"
                  if ring.dealt_zigzag(site.band, site.q_len // n) else "")
         parts.append(f"sequence over mesh axis {seq} ({n} devices) as ring attention: K/V "
-                     f"blocks passed round, none gathered, each step in the chunked kernel "
-                     f"({ring_tokamax.note(site, n)}){dealt}")
+                     "blocks passed round, none gathered, each step in the chunked kernel"
+                     + (f" ({ring_tokamax.note(site, n)})" if on_tpu else "") + dealt)
     elif why:
         parts.append(f"not the sequence as a ring ({why}): a mesh axis left over holds the "
                      "call whole")
     return "on the mesh: " + "; ".join(parts) if parts else ""
 
 
-def on_mesh(run: Callable[[Call], jax.Array], call: Call, mesh: Any) -> jax.Array:
-    """`run(call)` ([B, Lq, Hq, Dv]), per shard of `mesh` when it splits batch or heads; over
+def on_mesh(kernel: AttentionKernel, call: Call, mesh: Any) -> jax.Array:
+    """`kernel.run(call)` ([B, Lq, Hq, Dv]), per shard of `mesh` when it splits batch or heads; over
     a mesh axis left over, the sequence split along it and computed as a ring (`ring`), where
     the ring takes the call (else that axis replicates it)."""
+    run = kernel.run
     if mesh is None:
         return run(call)
     batch, heads, seq, _ = split(mesh, call.site())
@@ -123,7 +126,7 @@ def on_mesh(run: Callable[[Call], jax.Array], call: Call, mesh: Any) -> jax.Arra
     args = (call.q, call.k, call.v, call.bias, call.mask, call.kv_lengths,
             *(call.segments or (None, None)), call.query_mask)
 
-    tokamax = _tokamax_ring(run, call, mesh.shape[seq]) if seq else None
+    tokamax = bool(seq) and _tokamax_ring(kernel, call, mesh.shape[seq])
 
     def shard(q, k, v, bias, mask, kv_lengths, q_ids, kv_ids, query_mask):
         local = dataclasses.replace(
@@ -131,9 +134,9 @@ def on_mesh(run: Callable[[Call], jax.Array], call: Call, mesh: Any) -> jax.Arra
             segments=None if q_ids is None else (q_ids, kv_ids), query_mask=query_mask)
         if not seq:
             return run(local)
-        if tokamax is not None:
+        if tokamax:
             return ring_tokamax.attend(local, seq, mesh.shape[seq],
-                                       interpret=getattr(tokamax, "interpret", False))
+                                       interpret=getattr(kernel, "interpret", False))
         return ring.attend(local, seq, mesh.shape[seq])
 
     # Explicit-axis meshes type values with their sharding: shard_map wants them already
@@ -145,14 +148,9 @@ def on_mesh(run: Callable[[Call], jax.Array], call: Call, mesh: Any) -> jax.Arra
                          check_vma=False)(*args)
 
 
-def _tokamax_ring(run: Callable[[Call], jax.Array], call: Call, n: int
-                  ) -> AttentionKernel | None:
-    """The TPU kernel whose `run` this is, where the ring of `call` (split n ways) runs in
-    tokamax's ring splash instead of chunked steps: the call's platform is TPU (`run` is a
-    TPU kernel's, which `per_platform` stages there alone) and tokamax's ring takes the call
-    (`ring_tokamax.refusal`, whose reason `split_note` shows); None otherwise."""
-    kernel = getattr(run, "__self__", None)  # `run` is a registered kernel's bound method
-    if (isinstance(kernel, AttentionKernel) and tuple(kernel.platforms) == ("tpu",)
-            and ring_tokamax.refusal(call.site(), call.features, n) is None):
-        return kernel
-    return None
+def _tokamax_ring(kernel: AttentionKernel, call: Call, n: int) -> bool:
+    """Whether the ring of `call` (split n ways) runs in tokamax's ring splash instead of
+    chunked steps: `kernel` is a TPU kernel (`per_platform` stages it on TPU alone) and
+    tokamax's ring takes the call (`ring_tokamax.refusal`, whose reason `split_note` shows)."""
+    return (tuple(kernel.platforms) == ("tpu",)
+            and ring_tokamax.refusal(call.site(), call.features, n) is None)

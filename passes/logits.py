@@ -123,6 +123,7 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
     hides: list[list] = []  # [term, replayed fill]
     checks: set[tuple[float, str, float]] = set()
     positions = False
+    lost = None  # (a finite fill, how a scale step lost it)
     for step in steps:
         if step.kind == "softcap":
             if cap is not None:
@@ -135,11 +136,20 @@ def replay(steps: Sequence[LogitStep]) -> Logits:
                 entry[1] = _in(step.dtype, math.tanh(entry[1]))
         elif step.kind == "scale":
             c = float(step.value)
+            if lost is not None:
+                # XLA folds consecutive constant scalings ((x / c) * c' → x * (c' / c)), so
+                # whether the fill overflowed is the compiler's choice, not the program's.
+                return _refused(f"the fill {_fmt(lost[0])} {lost[1]} at a scale step that "
+                                "another follows; XLA may fold the two and keep it, so the "
+                                "logit of a hidden key is the compiler's choice")
             scale = scale * c if step.op == "mul" else scale / c
             if cap is not None:
                 cap = cap * c if step.op == "mul" else cap / c
             for entry in hides:
-                entry[1] = _apply(step.dtype, step.op, entry[1], c)
+                before, entry[1] = entry[1], _apply(step.dtype, step.op, entry[1], c)
+                if math.isfinite(before) and before != 0 and (
+                        not math.isfinite(entry[1]) or entry[1] == 0):
+                    lost = (before, "overflows" if entry[1] else "underflows to 0")
             for entry in biases:
                 entry[1] = entry[1] * c if step.op == "mul" else entry[1] / c
                 if entry[2] is not None:

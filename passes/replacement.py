@@ -102,7 +102,7 @@ def replacement(jaxpr: jaxcompat.Jaxpr, site: JaxprSite, lowered: Lowered,
                 call, after = lower.operands(form, site, values, direct)
 
                 def attend(kernel: str, call: Call, after: lower.After) -> jax.Array:
-                    out = on_mesh(kernels.get(kernel).run, call, mesh)
+                    out = on_mesh(kernels.get(kernel), call, mesh)
                     return lower.restore(site, out, after)
 
                 if not form.checked:

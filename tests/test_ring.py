@@ -142,6 +142,10 @@ def test_the_ring_says_what_it_splits_and_refuses_by_name():
         "on the mesh: batch over mesh axes data; sequence over mesh axis seq (8 devices) as "
         "ring attention: K/V blocks passed round, none gathered, each step in the chunked "
         f"kernel ({on_tpu}), dealt zig-zag so every device computes as much of the causal mask")
+    # Where no TPU kernel runs the call (auto keeps TPU native), TPU goes unmentioned.
+    assert split_note(Mesh, site, on_tpu=False).endswith(
+        "each step in the chunked kernel, dealt zig-zag so every device computes as much of "
+        "the causal mask")
     unmasked = dataclasses.replace(site, mask="none", causal=False)
     assert split_note(Mesh, unmasked).endswith(
         f"each step in the chunked kernel ({ring_tokamax.note(unmasked, 8)})")

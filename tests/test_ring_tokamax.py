@@ -144,7 +144,7 @@ NUMERICS = textwrap.dedent("""
     tpu = SplashTpu(interpret=True)  # the TPU kernel whose platform runs the ring
 
     def ring(q, k, v):
-        return on_mesh(tpu.run, make_call(q, k, v, scale=0.125, causal=case["causal"]), mesh)
+        return on_mesh(tpu, make_call(q, k, v, scale=0.125, causal=case["causal"]), mesh)
 
     def naive(q, k, v):
         k, v = (jnp.repeat(x, HQ // HKV, axis=2) for x in (k, v))

@@ -14,7 +14,7 @@ import collections
 import math
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 
 import soundness_programs
 from soundness_programs import Program, Step
@@ -171,28 +171,6 @@ def test_the_generated_programs_exercise_rewrites():
 POSITIONS_OUTCOMES: collections.Counter = collections.Counter()
 
 
-def _fill_overflows(program: Program) -> bool:
-    """Whether a finite mask fill becomes -inf through the scale steps after it (finfo.min
-    / 1e-6 * 1e-6): with a row that sees no key such programs are judged wrong at 2cd744c
-    already, with any key padding mask (not a reading from positions); left out below until
-    that is fixed."""
-    import numpy as np
-
-    dtype = np.dtype(program.dtype) if program.dtype != "bfloat16" else np.float32
-    for at, step in enumerate(program.steps):
-        if step.kind != "mask" or step.fill == "-inf":
-            continue
-        value = np.asarray(soundness_programs._fill(step.fill, program.dtype), dtype)
-        for later in program.steps[at + 1:]:
-            if later.kind == "scale" and later.op in ("mul", "div"):
-                with np.errstate(over="ignore"):
-                    c = np.asarray(later.value, dtype)
-                    value = value * c if later.op == "mul" else value / c
-        if np.isinf(value):
-            return True
-    return False
-
-
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
@@ -201,7 +179,6 @@ def test_generated_windows_from_positions_are_rewritten_exactly_or_left_native(p
     """Every mask step the `gemma` library's window on positions of a left-, right- or
     un-padded batch (#42): its band is read checked per call, so none may be wrong, train
     steps included."""
-    assume(not _fill_overflows(program))
     for train in (False, True):
         outcome, detail = soundness_programs.check(
             program, compiler_options=soundness_programs.FAST_COMPILE, train=train)

@@ -1,6 +1,7 @@
 """A site whose sequence is split over n devices: what XLA does natively (all-gather K and V onto
 every device, then the naive formula on the device's queries) against ring attention
-(`hlotool.kernels.ring`: K/V blocks passed round, each step in the chunked kernel), per device.
+(`hlotool.kernels.ring`: K/V blocks passed round, each step priced as the chunked kernel; on
+TPU tokamax's ring splash may run it, `kernels.ring_tokamax`), per device.
 
 Shares. After the batch and head splits (`kernels.sharded.mesh_split`) a device holds
 [b, L/n, h, D] of q, k, v and o. The all-gather's compute is the unfused native program
