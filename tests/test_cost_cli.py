@@ -229,6 +229,7 @@ CAUSAL = MODEL.replace(
 assert CAUSAL != MODEL
 
 
+@pytest.mark.slow
 def test_a_band_s_skipped_score_tiles_are_counted_in_every_report(tmp_path):
     """A causal site's kernel computes only the tiles at or below the diagonal: the JSON
     counts them per head with the tile shape, the table's kernel time carries the share, and

@@ -256,6 +256,7 @@ def test_integer_masks_are_read_not_raised_on(logits):
     _assert_kept(fn, (Q, K, V))
 
 
+@pytest.mark.slow
 def test_an_int_frame_mask_cast_to_bool_is_the_mask_it_makes():
     """Wav2Vec2's frame mask: an int argument cast to bool (x != 0, so -1 and 2 attend), then
     `select(m > 0, 0, finfo.min)`: read as the boolean the cast makes, not the int."""
@@ -305,6 +306,7 @@ def test_repeated_kv_heads_have_exact_gradients_at_ragged_lengths(lq, lk, kernel
     _assert_kept(fn, (q, k, v), kernel=kernel)
 
 
+@pytest.mark.slow
 def test_a_nan_key_hidden_by_padding_under_a_soft_cap_has_a_zero_gradient():
     k = K.at[:, :, -1].set(jnp.nan)
     visible = (jnp.arange(48) < 47)[None, None, None, :]

@@ -206,7 +206,7 @@ GPU_CASES = [c for c in CASES if c.bias is None and not c.mask and c.kv_lengths 
 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
-@pytest.mark.sweep(keep=2)
+@pytest.mark.sweep(keep=1)
 def test_pallas_gpu_interpret(case):
     kernel = PallasGpuFlash(interpret=True)
     if kernel.unavailable_reason:
@@ -237,7 +237,7 @@ CUDNN_REFUSED = {
 
 
 @pytest.mark.parametrize("case", CUDNN_CASES, ids=lambda c: c.name)
-@pytest.mark.sweep(keep=2)
+@pytest.mark.sweep(keep=1)
 def test_cudnn_mapping_through_xla(case):
     """The cudnn adapter's jax.nn call, run by XLA's implementation of it (jax keeps the
     two equal): causal, lengths, window and fill reach jax.nn as the reference means them."""
@@ -314,6 +314,7 @@ def test_layout_bhld_matches_blhd():
     np.testing.assert_allclose(np.asarray(t(bhld)), np.asarray(blhd), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_chunked_skips_causal_blocks_rather_than_masking():
     """Under causal (top-left), keys at positions ≥ Lq are seen by no query. Filled with NaN,
     they poison a kernel that computes masked tiles (0·NaN in P·V), as the reference shows,

@@ -200,6 +200,7 @@ def test_query_padding_is_a_factor_of_its_own_and_takes_splash():
     assert site.to_json()["site"]["query_padding"] is True
 
 
+@pytest.mark.slow
 def test_flax_query_and_key_padding_rewrites_with_outputs_and_gradients_equal():
     _equal_to_jit(flax_layer, _flax_args(256, jnp.float32))
 

@@ -126,7 +126,8 @@ def _equal_to_jit(layer, args) -> None:
     report = hlotool.explain(step(layer), *args, kernel="chunked")
     assert report.rewritten == 1, str(report)
     (loss_got, grads_got) = hlotool.flash_jit(step(layer), kernel="chunked")(*args)
-    assert abs(float(loss_got - loss_want)) < 1e-4
+    # A sum of sin over every output: each within 1e-5, as the output itself.
+    assert abs(float(loss_got - loss_want)) < 1e-5 * want.size
     for g, w in zip(grads_got, grads_want):
         assert float(jnp.max(jnp.abs(g - w)) / max(float(jnp.max(jnp.abs(w))), 1.0)) < 1e-5
 

@@ -174,6 +174,7 @@ def test_ops_inside_another_op_count_once():
     assert trace.op_seconds(events, "jit_other") == {}
 
 
+@pytest.mark.slow
 def test_the_xspace_file_says_what_the_chrome_trace_says(model, tmp_path):
     where = tmp_path / "prof"
     assert run("profile", model + ":attend", "--trace", str(where), "--repeats", "1"

@@ -291,6 +291,7 @@ def test_example_causal_decoder():
     check_grad(lambda p, t: m.forward(p, t, 2), (params, tokens))
 
 
+@pytest.mark.slow
 def test_example_flax_model():
     m = load_example("flax_model")
     model = m.LanguageModel(16, 2, 2)
@@ -299,8 +300,8 @@ def test_example_flax_model():
     check(m.predict, (model, params, tokens), sites=2, static_argnames="model")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-@pytest.mark.sweep(keep=1)
 def test_example_padded_encoder(dtype, tol):
     m = load_example("padded_encoder")
     params = m.init_params(jax.random.key(0), 16, 2, jnp.dtype(dtype))

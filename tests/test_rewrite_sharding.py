@@ -155,6 +155,7 @@ def test_a_data_parallel_train_step_rewrites_each_site_in_the_shard_map_body(axi
         assert tpu_custom_calls(step, params, tokens) == 2 * 3
 
 
+@pytest.mark.slow
 def test_a_gradient_taken_outside_the_shard_map_says_where_to_take_it():
     from test_rewrite_models import relative_error
 

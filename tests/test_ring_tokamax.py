@@ -143,14 +143,23 @@ NUMERICS = textwrap.dedent("""
                          devices=jax.devices()[:n])
     tpu = SplashTpu(interpret=True)  # the TPU kernel whose platform runs the ring
 
+    window = None if case.get("window") is None else tuple(case["window"])
+    softcap = case.get("softcap")
+
     def ring(q, k, v):
-        return on_mesh(tpu, make_call(q, k, v, scale=0.125, causal=case["causal"]), mesh)
+        return on_mesh(tpu, make_call(q, k, v, scale=0.125, causal=case["causal"],
+                                      window=window, softcap=softcap), mesh)
 
     def naive(q, k, v):
         k, v = (jnp.repeat(x, HQ // HKV, axis=2) for x in (k, v))
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * 0.125
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
         if case["causal"]:
             s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+        if window is not None:
+            i, j = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
+            s = jnp.where((j >= i - window[0]) & (j <= i + window[1]), s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)
         return jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32)).astype(q.dtype)
 
@@ -181,6 +190,14 @@ NUMERIC_CASES = {
                                               devices=8),
     "causal, MHA, bfloat16, 8 devices": dict(causal=True, kv_heads=4, dtype="bfloat16",
                                              devices=8),
+    # A window over two blocks (each device's 128 keys, dealt zig-zag in halves of 64) and a
+    # two-sided one; tokamax's splash soft-cap, tanh(s / c) · c.
+    "causal window 150, GQA 4/2, float32, 4 devices": dict(
+        causal=True, window=(150, 0), kv_heads=2, dtype="float32", devices=4),
+    "window (40, 40), MHA, float32, 4 devices": dict(
+        causal=False, window=(40, 40), kv_heads=4, dtype="float32", devices=4),
+    "causal, soft-cap 2, GQA 4/2, float32, 4 devices": dict(
+        causal=True, softcap=2.0, kv_heads=2, dtype="float32", devices=4),
 }
 
 
