@@ -1,7 +1,6 @@
 """A 2-layer flax nnx causal LM whose mask is causal AND key padding (issue 36's case)."""
 import sys
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
