@@ -14,8 +14,9 @@ A band (a causal mask, top-left as Lq = Lk; a sliding window; both) makes each p
 whole, those on it causal and hides those above it. A hidden pair is not computed; under a
 finite fill its keys still weigh exp(fill - max) each, added in closed form (the mean of its
 values, with max fill and normalizer its length). Contiguous blocks would leave device n - 1
-computing a whole block at every step while device 0 skips all but one, so under a causal mask the sequence is first dealt out zig-zag (`deal`): of 2n chunks device r
-holds r and 2n - 1 - r, and at every step each device computes one chunk pair in full and one
+computing a whole block at every step while device 0 skips all but one, so under a causal
+mask the sequence is first dealt out zig-zag (`deal`): of 2n chunks device r holds r and
+2n - 1 - r, and at every step each device computes one chunk pair in full and one
 more in full or causal, half a block, the same on every device. Key padding and segment ids
 travel with their block, query padding stays.
 

@@ -23,7 +23,7 @@ import jax
 
 from hlotool import jaxcompat
 from hlotool.kernels import ring, ring_tokamax
-from hlotool.kernels.base import AttentionKernel, Call
+from hlotool.kernels.base import AttentionKernel, Call, Features
 from hlotool.kernels.drawn import DrawnMask
 from hlotool.site import AttentionSite
 
@@ -107,7 +107,8 @@ def on_mesh(kernel: AttentionKernel, call: Call, mesh: Any) -> jax.Array:
     run = kernel.run
     if mesh is None:
         return run(call)
-    batch, heads, seq, _ = split(mesh, call.site())
+    site = call.site()
+    batch, heads, seq, _ = split(mesh, site)
     if not (batch or heads or seq):
         return run(call)
     if isinstance(call.post_mask, DrawnMask):  # its tiles count positions of the whole call
@@ -126,7 +127,7 @@ def on_mesh(kernel: AttentionKernel, call: Call, mesh: Any) -> jax.Array:
     args = (call.q, call.k, call.v, call.bias, call.mask, call.kv_lengths,
             *(call.segments or (None, None)), call.query_mask)
 
-    tokamax = bool(seq) and _tokamax_ring(kernel, call, mesh.shape[seq])
+    tokamax = bool(seq) and _tokamax_ring(kernel, site, call.features, mesh.shape[seq])
 
     def shard(q, k, v, bias, mask, kv_lengths, q_ids, kv_ids, query_mask):
         local = dataclasses.replace(
@@ -148,9 +149,11 @@ def on_mesh(kernel: AttentionKernel, call: Call, mesh: Any) -> jax.Array:
                          check_vma=False)(*args)
 
 
-def _tokamax_ring(kernel: AttentionKernel, call: Call, n: int) -> bool:
-    """Whether the ring of `call` (split n ways) runs in tokamax's ring splash instead of
-    chunked steps: `kernel` is a TPU kernel (`per_platform` stages it on TPU alone) and
-    tokamax's ring takes the call (`ring_tokamax.refusal`, whose reason `split_note` shows)."""
+def _tokamax_ring(kernel: AttentionKernel, site: AttentionSite, features: Features,
+                  n: int) -> bool:
+    """Whether the ring of a call of `site` (asking for `features`, split n ways) runs in
+    tokamax's ring splash instead of chunked steps: `kernel` is a TPU kernel (`per_platform`
+    stages it on TPU alone) and tokamax's ring takes the call (`ring_tokamax.refusal`, whose
+    reason `split_note` shows)."""
     return (tuple(kernel.platforms) == ("tpu",)
-            and ring_tokamax.refusal(call.site(), call.features, n) is None)
+            and ring_tokamax.refusal(site, features, n) is None)

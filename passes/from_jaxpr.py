@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -335,32 +335,6 @@ class MaskVar:
     cone: jaxcompat.Jaxpr | None = None
 
 
-def _small_cone(jaxpr: jaxcompat.Jaxpr, out: Any, plane: int, limit: int = 64
-                ) -> jaxcompat.Jaxpr | None:
-    """The equations computing `out` from the values of fewer than `plane` elements (and
-    the jaxpr's inputs and constants) they start from, as a jaxpr from those to `out`; None
-    where `out` has no producer here, an equation has effects, or more than `limit` of them
-    take part."""
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    if out not in producer:
-        return None
-    taken, inputs, pending = set(), [], [out]
-    while pending:
-        v = pending.pop()
-        if isinstance(v, jaxcompat.Literal) or v in inputs:
-            continue
-        if v is not out and (v not in producer or math.prod(v.aval.shape) < plane):
-            inputs.append(v)
-        elif producer[v] not in taken:
-            eqn = jaxpr.eqns[producer[v]]
-            if eqn.effects or len(taken) >= limit:
-                return None
-            taken.add(producer[v])
-            pending.extend(eqn.invars)
-    return jaxpr.replace(constvars=[], invars=inputs, outvars=[out],
-                         eqns=[jaxpr.eqns[i] for i in sorted(taken)])
-
-
 def _drawn(jaxpr: jaxcompat.Jaxpr, m: MaskVar) -> jaxcompat.Jaxpr | None:
     """The equations computing the post-softmax operand from keys and one-element values
     (stopping at the first such value on each path), as a jaxpr, where `kernels.drawn.check`
@@ -376,27 +350,35 @@ def _drawn(jaxpr: jaxcompat.Jaxpr, m: MaskVar) -> jaxcompat.Jaxpr | None:
         if out is None or out.aval.ndim != 4 or tuple(out.aval.shape[2:]) != shape[2:] \
                 or any(n not in (1, want) for n, want in zip(out.aval.shape[:2], shape)):
             continue
-        cone = _cone(jaxpr, out)
+        # Back to one-element values: a key, a keep_prob.
+        cone = _cone(jaxpr, out, lambda v: math.prod(v.aval.shape) == 1)
         if cone is not None and drawn.check(cone, tuple(out.aval.shape)) is None:
             return cone
     return None
 
 
-def _cone(jaxpr: jaxcompat.Jaxpr, out: Any) -> jaxcompat.Jaxpr | None:
-    """The equations computing `out` back to one-element values (a key, a keep_prob), as a
-    jaxpr from those to `out`; None where a larger value from outside enters."""
+def _cone(jaxpr: jaxcompat.Jaxpr, out: Any, stops_at: Callable[[Any], bool], *,
+          outside: bool = False, pure: bool = False, limit: int | None = None
+          ) -> jaxcompat.Jaxpr | None:
+    """The equations computing `out` back to the values `stops_at` accepts (and, where
+    `outside`, those no equation here defines: the jaxpr's inputs and constants), as a jaxpr
+    from those to `out`; None where another value from outside enters, `out` has no
+    producer here, an equation has effects (`pure`) or more than `limit` of them take part."""
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     taken, inputs, pending = set(), [], [out]
     while pending:
         v = pending.pop()
         if isinstance(v, jaxcompat.Literal) or v in inputs:
             continue
-        if v is not out and math.prod(v.aval.shape) == 1:  # a key, a keep_prob
+        if v is not out and (stops_at(v) or (outside and v not in producer)):
             inputs.append(v)
         elif v in producer:
             if producer[v] not in taken:
+                eqn = jaxpr.eqns[producer[v]]
+                if (pure and eqn.effects) or (limit is not None and len(taken) >= limit):
+                    return None
                 taken.add(producer[v])
-                pending.extend(jaxpr.eqns[producer[v]].invars)
+                pending.extend(eqn.invars)
         else:
             return None
     return jaxpr.replace(constvars=[], invars=inputs, outvars=[out],
@@ -515,8 +497,10 @@ def _to_jaxpr_site(closed: jaxcompat.ClosedJaxpr, match: Match,
     masks = tuple(dataclasses.replace(m, drawn=_drawn(jaxpr, m))
                   if m.kind in ("post", "dropout") else m for m in masks)
     plane = match.site.q_len * match.site.kv_len
-    masks = tuple(dataclasses.replace(m, cone=_small_cone(jaxpr, m.var, plane))
-                  if m.kind == "exact_mask" and m.var is not None else m for m in masks)
+    # Back to the values smaller than one [Lq, Lk] plane (positions, padding, constants).
+    masks = tuple(dataclasses.replace(m, cone=_cone(
+        jaxpr, m.var, lambda v: math.prod(v.aval.shape) < plane, outside=True, pure=True,
+        limit=64)) if m.kind == "exact_mask" and m.var is not None else m for m in masks)
     multipliers = tuple(
         MaskVar("multiplier", *_visible(t.operand, level), t.scores_layout.shape,
                 t.scores_layout, direct=direct(t.operand))

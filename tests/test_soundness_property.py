@@ -176,9 +176,9 @@ POSITIONS_OUTCOMES: collections.Counter = collections.Counter()
           suppress_health_check=list(HealthCheck))
 @given(soundness_programs.programs(masks=("positions_window",)))
 def test_generated_windows_from_positions_are_rewritten_exactly_or_left_native(program):
-    """Every mask step the `gemma` library's window on positions of a left-, right- or
-    un-padded batch (#42): its band is read checked per call, so none may be wrong, train
-    steps included."""
+    """Programs whose every mask step is the `gemma` library's window on positions of a
+    left-, right- or un-padded batch (#42): its band is read under a per-call check, so none
+    may be wrong, train steps included."""
     for train in (False, True):
         outcome, detail = soundness_programs.check(
             program, compiler_options=soundness_programs.FAST_COMPILE, train=train)
