@@ -10,9 +10,10 @@ On the CPU, --rounds (3) alternates native and kernel processes and takes median
 process on this shared VM can run up to 2x slower than the next; a child repeats short calls
 until it has timed at least a second. The table shows the bytes one native call faulted in:
 XLA:CPU allocates the L×L temporaries afresh each call and the OS zero-fills every page again.
-The `cpu` row's bandwidth is fitted at L=4096 and so prices that at 4096's cost per page; on
-a VM whose freed memory goes back to the hypervisor (free page reporting) while a long call
-runs, the cost per page grows with L, which is why native at 16K measures slower than predicted.
+The `cpu` row's softmax rate and bandwidth are fitted at L = 1K and 2K (`--calibrate`,
+`calibrate_host`) and so price those faults at their cost per page there; on a VM whose freed
+memory goes back to the hypervisor (free page reporting) while a long call runs, the cost per
+page grows with L, which is why native at 16K can measure slower than predicted.
 
 --platform cpu (default): this host's XLA:CPU, the chunked kernel, float32, target `cpu`,
 peak RSS. --platform cuda: the first CUDA GPU, the kernel hlotool picks there (cudnn for
@@ -59,8 +60,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip a side predicted to need more: default 12 (cpu), 90%% of the "
                         "target's HBM (cuda)")
     p.add_argument("--calibrate", action="store_true",
-                   help="print measure_host() (cpu figures) from 5 fresh processes and their "
-                        "medians, and exit")
+                   help="print calibrate_host() (cpu figures) from 5 fresh processes and "
+                        "their medians, and exit")
     a = p.parse_args(argv)
     if a.dry_run:
         a.platform = "cuda"
@@ -123,30 +124,35 @@ def _header(a: argparse.Namespace, device: str, memory: str) -> str:
 
 
 CALIBRATE_ONCE = """
-from hlotool.cost.measure import measure_host
-hw = measure_host()
-print(hw.matmul_flops["float32"], hw.softmax_rate, hw.hbm_bandwidth)
+from hlotool.cost.measure import calibrate_host
+hw = calibrate_host(repeats=5)
+print(hw.matmul_flops["float32"], hw.softmax_rate, hw.hbm_bandwidth, hw.fresh_page_rate)
 """
 
 
 def _calibrate(processes: int = 5) -> int:
-    """measure_host() in fresh processes: on this VM one process's figures differ from the
+    """calibrate_host() in fresh processes: on this VM one process's figures differ from the
     next one's by up to ±30%, so the cpu row holds the medians over processes."""
     import subprocess
 
-    flops, softmax, bandwidth = [], [], []
+    names = ("matmul", "softmax", "bandwidth", "page-in")
+    units = ((1e9, "GFLOP/s"), (1e9, "G scores/s"), (1e9, "GB/s"), (1e9, "GB/s"))
+    runs = []
     for i in range(processes):
         done = subprocess.run([sys.executable, "-c", CALIBRATE_ONCE], capture_output=True,
-                              text=True, check=True)
-        f, s, b = map(float, done.stdout.split())
-        flops.append(f)
-        softmax.append(s)
-        bandwidth.append(b)
-        print(f"process {i + 1}: matmul {f / 1e9:.1f} GFLOP/s, softmax {s / 1e9:.2f} G "
-              f"scores/s, unfused attention {b / 1e9:.2f} GB/s", flush=True)
-    print(f"median: matmul {statistics.median(flops) / 1e9:.1f} GFLOP/s, softmax "
-          f"{statistics.median(softmax) / 1e9:.2f} G scores/s, unfused attention "
-          f"{statistics.median(bandwidth) / 1e9:.2f} GB/s")
+                              text=True)
+        if done.returncode:
+            print(f"process {i + 1}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}")
+            continue
+        runs.append(list(map(float, done.stdout.split())))
+
+        def line(values):
+            return ", ".join(f"{n} {v / scale:.3g} {unit}"
+                             for n, v, (scale, unit) in zip(names, values, units))
+
+        print(f"process {i + 1}: {line(runs[-1])}", flush=True)
+    if runs:
+        print(f"median: {line([statistics.median(r[j] for r in runs) for j in range(4)])}")
     return 0
 
 

@@ -1016,11 +1016,16 @@ Examples:
               "refused unless --force.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Traced calls of each program, after one untraced warm-up call.")
+@click.option("--calibrate/--no-calibrate", default=True, show_default=True,
+              help="Measure this host's matmul, softmax and memory rates first (a few "
+              "seconds: the naive program and the chunked kernel timed at three shapes) and "
+              "predict with them; --no-calibrate predicts with the cpu row of "
+              "hlotool/hardware.py, the rates auto decides with.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @_force_option
 @_fail_cleanly
 def profile(script: str, script_args: tuple[str, ...], kernel: str, trace_dir: str | None,
-            repeats: int, as_json: bool, force: bool) -> None:
+            repeats: int, calibrate: bool, as_json: bool, force: bool) -> None:
     """Run SCRIPT, then run each function native and as flash_jit rewrites it on this host
     under jax.profiler, and print per-site time from the traces beside the cost model's.
 
@@ -1034,7 +1039,8 @@ def profile(script: str, script_args: tuple[str, ...], kernel: str, trace_dir: s
     `inspect`.
     """
     from hlotool.report.profile import (
-        check_trace_dir, list_in_manifest, profile_function, render_profile,
+        check_trace_dir, host_rates, list_in_manifest, profile_function, rates_line,
+        render_profile,
     )
 
     if trace_dir is not None:
@@ -1045,20 +1051,24 @@ def profile(script: str, script_args: tuple[str, ...], kernel: str, trace_dir: s
     profiles = []
     for f in functions:
         with progress(f"tracing {f.name} native and rewritten ({repeats} calls each)"):
-            profiles.append(profile_function(f, where, kernel, repeats))
+            profiles.append(profile_function(f, where, kernel, repeats, calibrate))
         if profiles[-1].traces:
             list_in_manifest(where, [f.file_stem])
     traced = any(p.traces for p in profiles)
     if not traced and trace_dir is None:
         shutil.rmtree(where, ignore_errors=True)  # ours, and empty of traces
     kept = where if traced or trace_dir is not None else None
+    # Calibrated only where a function had a site to predict (host_rates is cached).
+    host = host_rates() if calibrate and traced else None
+    host = host if not isinstance(host, str) else None
     if as_json:
         click.echo(json.dumps({"version": 1, "script": path, "kernel": kernel,
                                "trace_dir": kept, "repeats": repeats,
+                               "rates": rates_line(host),
                                "functions": [p.to_json() for p in profiles]}, indent=2))
     else:
         term = Term.of()
-        _echo(render_profile(profiles, term), term)
+        _echo(render_profile(profiles, term, host), term)
     click.echo(f"traces: {printable(where)}" if traced else "nothing traced" + (
         f" ({printable(where)} holds no trace)" if kept else ""), err=as_json)
 

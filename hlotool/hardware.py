@@ -9,12 +9,16 @@ GPU specs (`xla/tools/hlo_opt/gpu_specs/*.txtpb`) also record.
 
 `cpu` is this host, not a product: a 2-core AMD EPYC VM. Its figures were measured here, on
 an otherwise idle machine, with `benchmarks/cost_vs_measured.py --calibrate`, which runs
-`hlotool.cost.measure.measure_host` in 5 fresh processes (an XLA:CPU matmul of attention-block
-shape, the softmax's exp and sums over a score tile, and the bandwidth at which the model
-reproduces XLA:CPU's naive attention at L=4096, whose exp/reduce loops and page faults bound it
-well below DRAM speed): 107–142 GFLOP/s, 1.35–1.61 G scores/s and 1.74–1.80 GB/s across the
-processes; the row holds the medians. They are what XLA achieves on this host, not the
-silicon's peak; another host should re-measure them.
+`hlotool.cost.measure.calibrate_host` in 5 fresh processes: an XLA:CPU matmul of
+attention-block shape and a 64 MiB result paged in afresh, then the softmax rate and the
+bandwidth at which the model best reproduces the naive program and the chunked kernel, timed
+at three causal shapes (head dims 16, 32, 64): 61–64 GFLOP/s, 3.5–3.7 GB/s of fresh pages,
+0.65–0.73 G scores/s and 4.6–5.9 GB/s across the processes; the row holds the medians. They
+are what XLA achieves on this host, not the silicon's peak (XLA:CPU's loops do not overlap
+arithmetic with memory traffic: `overlaps` False; a pass over a held buffer moves 25 GB/s,
+the unfused program's L×L buffers are paged in afresh on every call), and the VM they are
+measured on varies: a session before measured matmuls at 107–142 GFLOP/s on a host of the
+same name; another host should re-measure them (`hlotool profile` does, per run).
 
 Links between chips (`link_bandwidth`, `link_latency`, `link_ways`) price a sequence split over
 devices (`hlotool.cost.split`): what one chip sends its neighbour on a ring along one mesh axis.
@@ -24,9 +28,10 @@ W_ici = 9e10 B/s bidirectional per link for v5e), and an axis of the torus has a
 way, which an all-gather uses both of. GPUs: NVLink to the NVSwitch, half the datasheet's
 bidirectional figure each way, one path out of the GPU whichever peer it reaches. The hop
 latency, 1 µs, is the figure the TPU team gave ASTRA-sim for ICI and a usual one for NVLink.
-`cpu`: host devices of one process, whose "link" is a memory copy: half the row's measured
-bandwidth (a copy reads and writes each byte), 0.89 GB/s; passing 4 MiB per device round 8
-host devices with `lax.ppermute` measured 0.57-0.71 GB/s per device here. Each collective there
+`cpu`: host devices of one process, whose "link" is a memory copy: 0.885 GB/s, half the
+bandwidth an earlier calibration fitted to the naive program alone (a copy reads and writes
+each byte); passing 4 MiB per device round 8 host devices with `lax.ppermute` measured
+0.57-0.71 GB/s per device here. Each collective there
 is one rendezvous of the devices' threads: 200-270 µs for an 8-device `ppermute` or
 `all_gather` of 32 bytes on this 2-core VM, which is `link_latency`.
 """
@@ -65,9 +70,19 @@ class Hardware:
     attention_block: TPUs, the largest query and key tile the TPU attention kernels (splash,
     flash) are given on this chip, where the length allows; None elsewhere.
     softmax_rate: scores per second through a softmax's elementwise work (max, subtract, exp,
-    sum) where it runs after the matmuls instead of beside them: XLA:CPU's loops (measured,
-    `measure_host`). None on TPUs and GPUs, whose exp units work beside the matrix unit, so a
-    tiled kernel hides the softmax under its matmuls.
+    sum, and a tiled kernel's rescaling) where it runs after the matmuls instead of beside
+    them: XLA:CPU's loops (fitted, `calibrate_host`). None on TPUs and GPUs, whose exp units
+    work beside the matrix unit, so a tiled kernel hides the softmax under its matmuls.
+    fresh_page_rate: bytes/s at which a call's temporaries are paged in where every call
+    maps them afresh: glibc hands allocations from its largest mmap threshold (32 MiB) up
+    back to the OS when freed, so XLA:CPU's temporaries of that size are zero-filled page by
+    page on every call (measured, `calibrate_host`). None where an allocator keeps device
+    memory (TPUs, GPUs).
+    overlaps: whether one op's arithmetic and its memory traffic overlap, so the op costs the
+    larger of the two (the roofline: TPUs, GPUs), or run one after the other, so it costs
+    their sum (XLA:CPU's loops: with the larger, one bandwidth cannot price the unfused
+    program at head dims 16 and 64 alike; with the sum it does within 1.5×, see
+    `benchmarks/cost_vs_measured.py`).
     link_bandwidth: bytes/s one chip sends to its neighbour on a ring along one mesh axis, one
     way (ICI port, NVLink, a host memory copy). link_latency: seconds each transfer adds (per
     hop; on `cpu` per collective). link_ways: the directions an all-gather sends in at once
@@ -88,6 +103,8 @@ class Hardware:
     device_kind: str | None = None
     attention_block: int | None = None
     softmax_rate: float | None = None
+    fresh_page_rate: float | None = None
+    overlaps: bool = True
     link_bandwidth: float = 0.0
     link_latency: float = 0.0
     link_ways: int = 1
@@ -141,12 +158,12 @@ HARDWARE: dict[str, Hardware] = {
     for h in (
         Hardware(
             "cpu", "this host: 2-core AMD EPYC VM, XLA:CPU (measured, see module docstring)",
-            "cpu", {"float32": 112e9, "bfloat16": 112e9}, 24 * 1024**3, 1.77e9,
+            "cpu", {"float32": 63.4e9, "bfloat16": 63.4e9}, 24 * 1024**3, 5.65e9,
             1 * _MIB, "L2 per core", 1, "cpu",
             ("measured: benchmarks/cost_vs_measured.py --calibrate (median of 5 processes, "
-             "jax 0.10.2)", "link: half the measured bandwidth (a copy); latency measured "
-             "(module docstring)"), softmax_rate=1.54e9, link_bandwidth=1.77e9 / 2,
-            link_latency=2e-4,
+             "jax 0.10.2)", "link: half an earlier fitted bandwidth (a copy); latency measured "
+             "(module docstring)"), softmax_rate=0.69e9, fresh_page_rate=3.64e9,
+            overlaps=False, link_bandwidth=0.885e9, link_latency=2e-4,
         ),
         # tpu_info: v4 has 2 TensorCores in megacore; per chip 275 TF, 1.23 TB/s, 32 GiB.
         _tpu("tpu-v4", "TPU v4, one chip (megacore)", 2.75e14, 34_400_000_000, 1.23e12,

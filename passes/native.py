@@ -325,7 +325,8 @@ class _Program:
 
         Inputs (parameters, values built from constants) connect nothing: XLA's CSE merges
         one layer's constant broadcast with the next layer's, which would make two layers
-        one piece. Each goes with the piece of its first user among `nodes`.
+        one piece. Each goes with the piece of its first user among `nodes`, or the first
+        piece where none reads it.
         """
         core = nodes - self.inputs
         piece_of: dict[int, int] = {}
@@ -343,13 +344,18 @@ class _Program:
                         piece_of[m] = len(pieces)
                         stack.append(m)
             pieces.append(piece)
+        unused = []
         for n in sorted(nodes & self.inputs):
             users = sorted(u for u in self.users[n] if u in piece_of)
             if users:
                 pieces[piece_of[users[0]]].append(n)
             else:
-                pieces.append([n])
-        return sorted((sorted(p) for p in pieces), key=lambda p: p[0])
+                unused.append(n)
+        # Inputs no piece reads (a scale constant the fusions copied in) are no layer: a
+        # piece of their own would be dealt out to a site like one.
+        pieces = sorted((sorted(p) for p in pieces), key=lambda p: p[0]) or [[]]
+        pieces[0] = sorted(pieces[0] + unused)
+        return pieces if pieces[0] else []
 
 
 def _fates(pre: Module, matches: Sequence[Match], optimized: Module,

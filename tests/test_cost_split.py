@@ -101,7 +101,7 @@ def test_auto_keeps_the_all_gather_per_platform_where_the_ring_does_not_pay():
     """flash_jit's auto policy on a mesh, per platform on the chip it prices that platform on
     (a mesh without devices: `decision.chip_for`): the kernel's choice stands where the ring
     pays, and becomes native, with the price's reason, where it does not. 8 devices, f32,
-    D = 64: the host's ring pays from L = 512 (seven ~200 µs rendezvous against one), a
+    D = 64: the host's ring pays from L = 1024 (seven ~200 µs rendezvous against one), a
     v5e's from L = 2048 (below, a block crosses its link slower than it computes)."""
     from hlotool.cost.decision import Choice, chip_for, verdict
     from hlotool.cost.split import gathered_where_cheaper
@@ -110,7 +110,7 @@ def test_auto_keeps_the_all_gather_per_platform_where_the_ring_does_not_pay():
     priced = verdict(_site(2048), "cpu")  # chosen by price (a named kernel stands: below)
     kernel = {p: Choice(p, k, "kernel pays", (), priced)
               for p, k in (("cpu", "chunked"), ("tpu", "splash_tpu"))}
-    for length, ring in ((64, set()), (512, {"cpu"}), (2048, {"cpu", "tpu"})):
+    for length, ring in ((64, set()), (1024, {"cpu"}), (2048, {"cpu", "tpu"})):
         chosen = gathered_where_cheaper(kernel, _site(length), _Sequence, False)
         assert {p for p, c in chosen.items() if c.kernel} == ring, length
         for p in set(kernel) - ring:

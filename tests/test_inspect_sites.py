@@ -205,6 +205,20 @@ def test_layers_sharing_a_constant_still_get_one_region_each():
     assert not names[0] & names[1]
 
 
+def test_a_constant_no_layer_reads_is_not_dealt_out_as_a_layer():
+    # The padded encoder at L = 1024: XLA:CPU leaves a scale constant and the mean pooling's
+    # divide carrying the sites' metadata but read by neither layer's work. As pieces of
+    # their own they were dealt out like layers: site 1 got them, site 2 both layers.
+    script = str(EXAMPLES / "padded_encoder.py")
+    result = run("inspect", script, "--json", "--", "--seq-len", "1024")
+    assert result.exit_code == 0, result.output
+    fates = [s["native"]["cpu"] for s in json.loads(result.stdout)["sites"]]
+    first, second = (f["score_buffers"] for f in fates)
+    assert first == second >= 1
+    names = [{p["name"] for p in f["placements"]} for f in fates]
+    assert not names[0] & names[1]
+
+
 def test_bad_input_is_one_line_error():
     with pytest.raises(HlotoolError, match="pre-optimization HLO needs an HLO Module or "
                                            "its text, got int"):

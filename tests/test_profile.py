@@ -74,6 +74,10 @@ def test_profile_reports_per_site_time_from_the_trace_and_keeps_it(model, tmp_pa
         site["native_seconds"] / site["rewritten_seconds"])
     assert site["predicted_native_seconds"] > site["predicted_kernel_seconds"] > 0
     assert site["agrees"] is (0.5 <= site["measured_ratio"] / site["predicted_ratio"] <= 2)
+    # Predicted with rates measured in this run (or, where that failed, the cpu row, saying
+    # why in the function's note).
+    assert doc["rates"].startswith("Predicted with this host's rates measured in this run: "
+                                   "matmul ") or "calibrating this host failed" in attend["note"]
     # One log directory per side: TensorBoard shows two runs.
     for side in ("native", "rewritten"):
         assert attend["traces"][side] == os.path.join(where, "001_jit_attend", side)
@@ -84,8 +88,11 @@ def test_profile_reports_per_site_time_from_the_trace_and_keeps_it(model, tmp_pa
         assert f.read().split() == ["001_jit_attend"]
 
     # hlotool's own directory takes another run; the table names the site and its kernel.
-    again = run("profile", model + ":attend", "--trace", where, "--repeats", "1")
+    again = run("profile", model + ":attend", "--trace", where, "--repeats", "1",
+                "--no-calibrate")
     assert again.returncode == 0, again.stderr
+    assert "Predicted with the cpu row of hlotool/hardware.py, which auto decides with: " \
+        "matmul " in " ".join(again.stdout.split())
     (row,) = [ln for ln in again.stdout.splitlines() if ln.startswith("attend site1")]
     assert f"{model}:5" in row and "chunked" in row
     assert len(glob.glob(os.path.join(where, "001_jit_attend", "native", "plugins", "profile",
@@ -106,7 +113,7 @@ def test_profile_never_writes_into_a_users_directory(model, tmp_path):
 
 @pytest.mark.slow
 def test_profile_without_trace_makes_a_new_directory_and_prints_it(model):
-    result = run("profile", model + ":attend", "--repeats", "1")
+    result = run("profile", model + ":attend", "--repeats", "1", "--no-calibrate")
     assert result.returncode == 0, result.stderr
     last = result.stdout.strip().splitlines()[-1]  # the table's last line: where it is
     assert last.startswith("traces: ")
@@ -177,7 +184,8 @@ def test_ops_inside_another_op_count_once():
 @pytest.mark.slow
 def test_the_xspace_file_says_what_the_chrome_trace_says(model, tmp_path):
     where = tmp_path / "prof"
-    assert run("profile", model + ":attend", "--trace", str(where), "--repeats", "1"
+    assert run("profile", model + ":attend", "--trace", str(where), "--repeats", "1",
+               "--no-calibrate"
                ).returncode == 0
     side = where / "001_jit_attend" / "rewritten"
     from_json = trace.op_seconds(trace.read_events(str(side)), "jit_attend")
@@ -237,3 +245,31 @@ def test_a_function_kept_native_on_the_cpu_gives_the_cpu_s_verdict(tmp_path):
     assert note.startswith("flash_jit keeps every site native on the cpu: keep native (short "
                            "sequence: Lq=64, Lk=64"), note
     assert "tpu" not in note and "cuda" not in note, note
+
+
+def test_sites_that_share_the_calls_temporaries_are_said_to():
+    """Two layers of one forward call at L = 1024: XLA:CPU allocates one temporary buffer
+    for both, less than each allocates alone together, and the profile says why a later
+    site is predicted without paging; one site alone gets no such note."""
+    from hlotool.cost.xla import host_temporaries
+    from hlotool.report.profile import _shared_temporaries
+    from hlotool.units import format_bytes
+
+    def layer(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+        s = jnp.where(jnp.tril(jnp.ones((1024, 1024), bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    x = jnp.ones((2, 1024, 4, 16))
+    [f] = capture_function(jax.jit(lambda q, k, v: layer(jnp.tanh(layer(q, k, v)), k, v)),
+                           x, x, x)
+    report, _ = rewrite_captured(f, "chunked")
+    sites = [s.site for s in report.sites]
+    assert len(sites) == 2
+    temp = f.compiled("cpu").memory_analysis().temp_size_in_bytes
+    alone = sum(host_temporaries(site) for site in sites)
+    assert temp < alone
+    note = _shared_temporaries(f, sites, False)
+    assert note.startswith(f"XLA:CPU allocates {format_bytes(temp)} of temporaries for the "
+                           f"whole call, less than its 2 sites' {format_bytes(alone)}"), note
+    assert _shared_temporaries(f, sites[:1], False) == ""

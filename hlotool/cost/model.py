@@ -9,17 +9,20 @@ pallas_gpu or chunked on a GPU; chunked on the CPU), with that kernel's own bloc
 Roofline. An unfused program runs op after op, each bounded by its own compute or memory
 time, so native time is a sum over phases (QKᵀ, softmax, P·V; and for the backward dP, dS, the
 three gradient matmuls) of max(matmul FLOPs / peak, bytes / bandwidth). The kernel is one
-fused op: max(FLOPs / peak, bytes / bandwidth). Elementwise work (max, exp, sum, divide) is
-counted in `flops` and hidden under the matmuls or memory traffic where the chip has exp units
-beside its matrix unit (TPU, GPU); on the CPU, whose XLA loops run it after the matmuls, each
-exp costs 1 / `Hardware.softmax_rate` on top (native's softmax phase, every score a kernel
-visits, twice in its backward). Matmuls with head dim below the chip's matrix width run at
-D / width of peak, on both sides.
+fused op: max(FLOPs / peak, bytes / bandwidth). On a chip that does not overlap an op's
+arithmetic with its memory traffic (`Hardware.overlaps` False: XLA:CPU) each op costs the sum
+of the two instead. Elementwise work (max, exp, sum, divide) is counted in `flops` and hidden
+under the matmuls or memory traffic where the chip has exp units beside its matrix unit (TPU,
+GPU); on the CPU, whose XLA loops run it after the matmuls, each exp costs 1 /
+`Hardware.softmax_rate` on top (native's softmax phase, every score a kernel visits, twice in
+its backward). Matmuls with head dim below the chip's matrix width run at D / width of peak,
+on both sides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -138,6 +141,39 @@ def _softmax_seconds(scores: int, hardware: Hardware) -> float:
     return scores / hardware.softmax_rate if hardware.softmax_rate else 0.0
 
 
+# glibc's largest mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit): a freed allocation
+# of that size or more goes back to the OS, so the next call's is paged in afresh.
+MMAP_THRESHOLD = 32 * 1024 * 1024
+
+
+def fault_seconds(temp_bytes: int, hardware: Hardware) -> float:
+    """The time to page in `temp_bytes` of a call's temporaries (`Hardware.fresh_page_rate`):
+    0 below the mmap threshold, where the allocator reuses them, or on a chip whose
+    allocator keeps its memory. Part of every native price on the CPU already, through its
+    fitted bandwidth; `hlotool profile` takes it out for a site that pages nothing in (one
+    whose call's earlier site paged the shared buffer in)."""
+    if not hardware.fresh_page_rate or temp_bytes < MMAP_THRESHOLD:
+        return 0.0
+    return temp_bytes / hardware.fresh_page_rate
+
+
+def native_faulted_bytes(site: AttentionSite, hardware: Hardware, backward: bool) -> int:
+    """What the naive program pages in per call on `hardware`: its temporaries as XLA:CPU
+    allocates them (`xla.host_temporaries`: one [B, H, Lq, Lk] buffer or two, by shape),
+    else the model's count (`native_temp_bytes`); 0 where the allocator keeps memory."""
+    if not hardware.fresh_page_rate:
+        return 0
+    from hlotool.cost.xla import host_temporaries
+
+    compiled = host_temporaries(site, backward) if hardware.platform == "cpu" else None
+    return native_temp_bytes(site, backward=backward) if compiled is None else compiled
+
+
+def _op_seconds(compute: float, memory: float, hardware: Hardware) -> float:
+    """One op's time from its compute and memory times (`Hardware.overlaps`)."""
+    return max(compute, memory) if hardware.overlaps else compute + memory
+
+
 def _matmul_rate(site: AttentionSite, hardware: Hardware) -> float:
     fill = min(1.0, min(site.head_dim, site.v_head_dim) / hardware.matrix_width)
     return hardware.peak_flops(site.dtype) * fill
@@ -177,7 +213,7 @@ def analytic(
         for ph in phases:
             c = ph.matmul_flops / rate + _softmax_seconds(ph.softmax_scores, hw)
             m = ph.hbm_bytes / hw.hbm_bandwidth
-            seconds += max(c, m)
+            seconds += _op_seconds(c, m, hw)
             compute_time += c if c >= m else 0.0
         bound = "compute" if compute_time > seconds / 2 else "memory"
         return Figures(cost.flops, cost.transcendentals, sum(p.hbm_bytes for p in phases),
@@ -190,7 +226,8 @@ def analytic(
         m = cost.hbm_bytes / hw.hbm_bandwidth
         return Figures(cost.flops, cost.transcendentals, cost.hbm_bytes,
                        kernel_temp_bytes(site, backward=backward), cost.onchip_bytes,
-                       max(c, m), "compute" if c >= m else "memory", cost.score_blocks)
+                       _op_seconds(c, m, hw), "compute" if c >= m else "memory",
+                       cost.score_blocks)
     raise HlotoolError(f"side must be 'native' or 'kernel', got {side!r}")
 
 
@@ -203,40 +240,66 @@ def _fused(site: AttentionSite, hw: Hardware, rate: float, backward: bool) -> Fi
     forward = native_phases(site)
     fwd_bytes = q + k + v + o + mask_operand_bytes(site)
     fwd_mm = sum(p.matmul_flops for p in forward)
-    seconds = max(fwd_mm / rate, fwd_bytes / hw.hbm_bandwidth)
+    seconds = _op_seconds(fwd_mm / rate, fwd_bytes / hw.hbm_bandwidth, hw)
     compute = fwd_mm / rate >= fwd_bytes / hw.hbm_bandwidth
     hbm = fwd_bytes
     for ph in native_phases(site, backward=True)[len(forward):] if backward else ():
         c, m = ph.matmul_flops / rate, ph.hbm_bytes / hw.hbm_bandwidth
-        seconds += max(c, m)
+        seconds += _op_seconds(c, m, hw)
         hbm += ph.hbm_bytes
     temp = native_temp_bytes(site, backward=True) if backward else kernel_temp_bytes(site)
     return Figures(cost.flops, cost.transcendentals, hbm, temp, 0, seconds,
                    "compute" if compute else "memory")
 
 
-def fit_bandwidth(site: AttentionSite, hardware: str | Hardware, seconds: float) -> float:
-    """The bandwidth (bytes/s) at which the model's native forward time for `site` on
-    `hardware` is `seconds`: how a host's effective bandwidth is calibrated from one timed
-    run of the naive program (`hlotool.hardware.measure_host`).
+# The rates `fit_host` fits, each entering the model's times as its reciprocal.
+_FITTED = ("softmax_rate", "hbm_bandwidth")
 
-    Raises HlotoolError when `seconds` is below the matmul time alone (no bandwidth fits).
+
+def fit_host(hardware: str | Hardware,
+             timed: Sequence[tuple[AttentionSite, float, float]]) -> Hardware:
+    """`hardware`, a chip whose ops do not overlap (`Hardware.overlaps` False: the CPU), with
+    the softmax rate and bandwidth at which the model's forward times best reproduce `timed`:
+    per site, the measured seconds of the naive program and of the platform's first kernel
+    that takes it, its matmul rate as given. How this host's row is calibrated
+    (`hlotool.cost.measure.calibrate_host`). The bandwidth so fitted is an effective one: it
+    takes in paging a call's fresh temporaries in, which the unfused program's L×L buffers
+    cost on XLA:CPU (`fault_seconds`).
+
+    There each time is linear in the rates' reciprocals, so this is a linear least squares
+    over the relative errors. A rate no timed site depends on keeps its value. Raises
+    HlotoolError where no positive rates fit (times below what the matmuls alone take).
     """
     hw = get_hardware(hardware)
+    if hw.overlaps or not all(getattr(hw, f) for f in _FITTED):
+        raise HlotoolError(f"{hw.name} overlaps compute and memory: its times are not linear "
+                           "in its rates")
+    x0 = np.array([1 / getattr(hw, f) for f in _FITTED])
+    rows, targets = [], []
+    for site, native_seconds, kernel_seconds in timed:
+        kernel = kernel_for(site, hw)
 
-    def model_seconds(bandwidth: float) -> float:
-        return analytic(site, dataclasses.replace(hw, hbm_bandwidth=bandwidth),
-                        "native").seconds
+        def times(x: np.ndarray) -> np.ndarray:
+            h = dataclasses.replace(hw, **{f: 1 / v for f, v in zip(_FITTED, x)})
+            return np.array([analytic(site, h, "native").seconds,
+                             analytic(site, h, "kernel", kernel=kernel).seconds])
 
-    low, high = 1.0, 1e16
-    if model_seconds(high) >= seconds:
-        raise HlotoolError(f"{seconds:.3g} s is faster than the native matmuls alone on "
-                           f"{hw.name}: no bandwidth fits")
-    # The model's time falls as bandwidth rises: bisect in log space for the crossing.
-    while high / low > 1 + 1e-9:
-        mid = (low * high) ** 0.5
-        low, high = (mid, high) if model_seconds(mid) > seconds else (low, mid)
-    return (low * high) ** 0.5
+        base = times(x0)
+        # Seconds per unit of each reciprocal; what is left is the matmuls'.
+        slopes = np.stack([(times(x0 + np.eye(len(x0))[i] * x0[i]) - base) / x0[i]
+                           for i in range(len(x0))], 1)
+        measured = np.array([native_seconds, kernel_seconds])
+        rows.append(slopes / measured[:, None])
+        targets.append((measured - (base - slopes @ x0)) / measured)
+    a, b = np.concatenate(rows), np.concatenate(targets)
+    used = np.abs(a).sum(0) > 0
+    fitted = x0.copy()
+    fitted[used], *_ = np.linalg.lstsq(a[:, used], b - a[:, ~used] @ x0[~used], rcond=None)
+    if (fitted <= 0).any():
+        raise HlotoolError(f"no positive rates reproduce the {len(timed)} timed site(s) on "
+                           f"{hw.name}: their matmuls alone take longer at "
+                           f"{hw.peak_flops('float32') / 1e9:.3g} GFLOP/s")
+    return dataclasses.replace(hw, **{f: float(1 / v) for f, v in zip(_FITTED, fitted)})
 
 
 def _kernel_matmul_flops(site: AttentionSite, cost: KernelCost, backward: bool) -> int:

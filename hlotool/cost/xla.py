@@ -213,6 +213,32 @@ def xla_fuses_natively(site: AttentionSite, target: str | None) -> bool | None:
     return _fuses(dataclasses.replace(site, function="", source=""), target)
 
 
+@functools.cache
+def _host_temporaries(site: AttentionSite, backward: bool) -> int | None:
+    fn, args = naive_program(site)
+    if backward:
+        forward = fn
+        fn = jax.grad(lambda *a: forward(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    try:
+        compiled = compile_for(fn, args, "cpu")
+    except HlotoolError:
+        return None  # too large for this host, or no compile: the caller's formula stands
+    memory = compiled.memory_analysis()
+    if memory is None or memory.temp_size_in_bytes < site.score_bytes:
+        # Less than the one score matrix the unfused program holds: the attention went into
+        # one fusion (XLA:CPU's ynn_fusion) whose own buffers memory_analysis leaves out.
+        return None
+    return int(memory.temp_size_in_bytes)
+
+
+def host_temporaries(site: AttentionSite, backward: bool = False) -> int | None:
+    """The temporaries XLA:CPU allocates for `site`'s naive program (with its gradient where
+    `backward`): `memory_analysis()` of that program compiled for this host, once per shape.
+    None where XLA does not report them (less than one score matrix: the forward folded
+    into one `ynn_fusion`) or the program does not compile here."""
+    return _host_temporaries(dataclasses.replace(site, function="", source=""), backward)
+
+
 def site_figures(site: AttentionSite, target: str, kernel: AttentionKernel
                  ) -> dict[str, XlaFigures]:
     """XLA's figures for the naive and the kernel probe programs of `site` on `target`."""

@@ -17,18 +17,21 @@ op time can exceed its wall time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hlotool.errors import HlotoolError
+from hlotool.errors import HlotoolError, first_line
 from hlotool.report.console import Term, printable
 from hlotool.report.table import fit_table, format_table
 from hlotool.units import format_seconds
 
 if TYPE_CHECKING:
     from hlotool.capture import CapturedFunction
+    from hlotool.hardware import Hardware
+    from hlotool.site import AttentionSite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +66,7 @@ class SiteProfile:
         measured = self.measured_ratio
         if measured is None:
             return None
-        return 0.5 <= measured / self.predicted_ratio <= 2.0
+        return bool(0.5 <= measured / self.predicted_ratio <= 2.0)
 
     def disagreement(self) -> str:
         """Which side the cost model misprices, where `agrees` is False: each side's
@@ -124,12 +127,52 @@ def _native_site_ops(f: CapturedFunction) -> list[tuple[Any, set[str]]]:
     return [(fate.site, {p.name for p in fate.placements}) for fate in native_fate(f, "cpu")]
 
 
+def _predicted(s: Any, host: Hardware | None) -> tuple[float, float, str]:
+    """Native and kernel seconds for site report `s` on this host (forward and backward in a
+    train step): the prices the CPU's decision rests on, or with `host`'s rates; and, where
+    those rates would not have chosen the kernel auto chose, why not."""
+    from hlotool import kernels
+    from hlotool.cost.decision import verdict
+
+    choice = s.choices.get("cpu")
+    cpu_kernel = s.kernels.get("cpu")
+    priced = choice.verdict if choice is not None else None
+    if host is None and priced is not None and (priced.kernel or not cpu_kernel):
+        kernel_seconds = priced.kernel.seconds if cpu_kernel else priced.native.seconds
+        return priced.native.seconds, kernel_seconds, ""
+    found = None
+    if cpu_kernel:  # a kernel asked for by name was not priced: it is priced here alike
+        found, _ = kernels.first_taking(s.site, "cpu", kernel=cpu_kernel)
+    v = verdict(s.site, host or "cpu", kernel=found, backward=s.trained, check_fusion=False)
+    if found is None:
+        return v.native.seconds, v.native.seconds, ""
+    flipped = ""
+    if priced is not None and priced.pays and not v.pays:
+        flipped = f"with this run's rates the kernel would not pay ({v.why})"
+    return v.native.seconds, v.kernel.seconds, flipped
+
+
+@functools.cache
+def host_rates() -> Hardware | str:
+    """This host's `cpu` row measured now (`calibrate_host`, once per process), or why it
+    could not be."""
+    from hlotool.cost.measure import calibrate_host
+
+    try:
+        return calibrate_host()
+    except HlotoolError as e:
+        return f"calibrating this host failed ({first_line(e)}): predicted with the cpu row"
+
+
 def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
-                     repeats: int = 3) -> FunctionProfile:
-    """Trace `f` native and rewritten on the host; see the module docstring."""
-    from hlotool.cost.model import analytic
-    from hlotool.cost.trace import TraceUnreadable, op_seconds, scope_sites, traced_run
+                     repeats: int = 3, calibrate: bool = False) -> FunctionProfile:
+    """Trace `f` native and rewritten on the host; see the module docstring. calibrate:
+    predict with this host's rates measured in this process (`host_rates`), not the cpu
+    row's."""
     from hlotool.api import rewrite_captured
+    from hlotool.cost.model import fault_seconds, native_faulted_bytes
+    from hlotool.cost.trace import TraceUnreadable, op_seconds, scope_sites, traced_run
+    from hlotool.hardware import get_hardware
 
     report, rewritten = rewrite_captured(f, kernel)
     if not report.sites:
@@ -140,10 +183,14 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
                                           else s.reason for s in report.sites))
         return FunctionProfile(f.name, repeats,
                                note=f"flash_jit keeps every site native on the cpu: {reasons}")
+    host = host_rates() if calibrate else None
+    walls, ops, notes = {}, {}, []
+    if isinstance(host, str):
+        notes.append(host)
+        host = None
     arrays = _args(f)
     traces = {side: os.path.join(trace_dir, f.file_stem, side)
               for side in ("native", "rewritten")}
-    walls, ops, notes = {}, {}, []
     for side, program in (("native", f), ("rewritten", rewritten)):
         os.makedirs(traces[side], exist_ok=True)
         try:
@@ -155,6 +202,9 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
             ops[side] = None
     by_scope = scope_sites(rewritten.optimized("cpu")) if ops.get("rewritten") else {}
     unused = list(_native_site_ops(f)) if ops.get("native") is not None else []
+    rewritten_sites = [s for s in report.sites if s.kernels.get("cpu")]
+    shared = _shared_temporaries(f, [s.site for s in rewritten_sites],
+                                 any(s.trained for s in rewritten_sites))
     sites = []
     for index, s in enumerate(report.sites, 1):
         site, cpu_kernel = s.site, s.kernels.get("cpu")
@@ -170,22 +220,40 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
                        if ops.get("rewritten") is not None else None)
         if ops.get("rewritten") is not None and not cpu_kernel:
             rewritten_s = None  # native on the CPU: no scope of its own to sum
-        # The prices the CPU's decision rests on (forward and backward in a train step);
-        # a kernel asked for by name was not priced, so it is priced here alike.
-        v = s.choices["cpu"].verdict if "cpu" in s.choices else None
-        native_figures = v.native if v is not None else analytic(site, "cpu", "native")
-        predicted_native = native_figures.seconds
-        predicted_kernel = predicted_native
-        if cpu_kernel:
-            predicted_kernel = (v.kernel.seconds if v is not None and v.kernel is not None
-                                else analytic(site, "cpu", "kernel").seconds)
+        predicted_native, predicted_kernel, flipped = _predicted(s, host)
+        if shared and cpu_kernel and s is not rewritten_sites[0]:
+            hw = host or get_hardware("cpu")
+            predicted_native -= fault_seconds(native_faulted_bytes(site, hw, s.trained), hw)
+        if flipped:
+            notes.append(f"site{index}: {flipped}")
         sites.append(SiteProfile(f.name, index, site.source, tuple(site.q_shape), cpu_kernel,
                                  native_s, rewritten_s, predicted_native, predicted_kernel))
+    notes.append(shared)
     return FunctionProfile(
         f.name, repeats, walls.get("native"), walls.get("rewritten"),
         sum(ops["native"].values()) if ops.get("native") is not None else None,
         sum(ops["rewritten"].values()) if ops.get("rewritten") is not None else None,
-        tuple(sites), traces, "; ".join(notes))
+        tuple(sites), traces, "; ".join(n for n in notes if n))
+
+
+def _shared_temporaries(f: CapturedFunction, sites: Sequence[AttentionSite],
+                        trained: bool) -> str:
+    """Why later sites of one call are predicted without paging: XLA:CPU gives the whole
+    call one temporary allocation, smaller than what the sites allocate alone together, so
+    they reuse its pages, which the OS maps in once per call where first touched; "" where
+    that is not so (a train step keeps each layer's probabilities for its backward)."""
+    from hlotool.cost.xla import host_temporaries
+    from hlotool.units import format_bytes
+
+    alone = [host_temporaries(site, trained) for site in sites]
+    memory = f.compiled("cpu").memory_analysis()
+    temp = getattr(memory, "temp_size_in_bytes", None)
+    if len(sites) < 2 or None in alone or temp is None or temp >= sum(alone):
+        return ""
+    return (f"XLA:CPU allocates {format_bytes(temp)} of temporaries for the whole call, less "
+            f"than its {len(sites)} sites' {format_bytes(sum(alone))} alone: they reuse one "
+            "buffer, whose pages the OS maps in once per call where first touched, so sites "
+            "after the first are predicted without paging (their price alone counts it)")
 
 
 def _s(seconds: float | None) -> str:
@@ -202,9 +270,29 @@ FUNCTION_HEADERS = ("function", "native wall", "rewritten wall", "native ops",
                     "rewritten ops", "speed-up (wall)")
 
 
-def render_profile(profiles: Sequence[FunctionProfile], term: Term | None = None) -> str:
+def rates_line(host: Hardware | None) -> str:
+    """Which rates the predictions use: this run's (`host`) beside the cpu row's, or the
+    row's."""
+    from hlotool.hardware import get_hardware
+
+    def rates(hw: Hardware) -> str:
+        return (f"matmul {hw.peak_flops('float32') / 1e9:.3g} GFLOP/s, softmax "
+                f"{hw.softmax_rate / 1e9:.2g} G scores/s, bandwidth "
+                f"{hw.hbm_bandwidth / 1e9:.3g} GB/s, fresh pages "
+                f"{hw.fresh_page_rate / 1e9:.2g} GB/s")
+
+    row = rates(get_hardware("cpu"))
+    if host is None:
+        return f"Predicted with the cpu row of hlotool/hardware.py, which auto decides with: {row}."
+    return (f"Predicted with this host's rates measured in this run: {rates(host)} (auto "
+            f"decides with the cpu row's: {row}).")
+
+
+def render_profile(profiles: Sequence[FunctionProfile], term: Term | None = None,
+                   host: Hardware | None = None) -> str:
     """Per function its wall and op time, then per site measured vs predicted; each
-    seconds figure is per call."""
+    seconds figure is per call. host: the rates predictions were made with, where measured
+    in this run."""
     term = term or Term()
     measured = [p for p in profiles if p.native_wall is not None]
     out = []
@@ -235,10 +323,15 @@ def render_profile(profiles: Sequence[FunctionProfile], term: Term | None = None
                 f"Predicted and measured differ by more than 2× at {len(off)} of {total} "
                 f"site{'s' if total > 1 else ''}; furthest, {printable(worst.function)} "
                 f"site{worst.index} (predicted {_ratio(worst.predicted_ratio)}, measured "
-                f"{_ratio(worst.measured_ratio)}): {worst.disagreement()}. The cpu row of "
-                "hlotool/hardware.py holds rates measured on its own host "
-                "(benchmarks/cost_vs_measured.py --calibrate re-measures them here); "
-                "auto's choice on this machine rests on them.", "", "  "))
+                f"{_ratio(worst.measured_ratio)}): {worst.disagreement()}. " + (
+                    "The rates were measured in this run on lone sites: what is left is the "
+                    "program around a site, which a per-site price does not see (how XLA "
+                    "fuses the site with its neighbours, other work beside the kernel's)."
+                    if host else
+                    "The cpu row of hlotool/hardware.py holds rates measured on its own host "
+                    "(benchmarks/cost_vs_measured.py --calibrate re-measures them here); "
+                    "auto's choice on this machine rests on them."), "", "  "))
+        out.append(term.wrap(rates_line(host), "", "  "))
     for p in profiles:
         if p.note:
             out.append(term.wrap(f"{printable(p.function)}: {printable(p.note)}", "", "  "))
