@@ -135,8 +135,12 @@ def _calibrate(processes: int = 5) -> int:
     next one's by up to ±30%, so the cpu row holds the medians over processes."""
     import subprocess
 
-    names = ("matmul", "softmax", "bandwidth", "page-in")
-    units = ((1e9, "GFLOP/s"), (1e9, "G scores/s"), (1e9, "GB/s"), (1e9, "GB/s"))
+    units = (("matmul", "GFLOP/s"), ("softmax", "G scores/s"), ("bandwidth", "GB/s"),
+             ("page-in", "GB/s"))
+
+    def line(values: list[float]) -> str:
+        return ", ".join(f"{name} {v / 1e9:.3g} {unit}" for (name, unit), v in zip(units, values))
+
     runs = []
     for i in range(processes):
         done = subprocess.run([sys.executable, "-c", CALIBRATE_ONCE], capture_output=True,
@@ -145,11 +149,6 @@ def _calibrate(processes: int = 5) -> int:
             print(f"process {i + 1}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}")
             continue
         runs.append(list(map(float, done.stdout.split())))
-
-        def line(values):
-            return ", ".join(f"{n} {v / scale:.3g} {unit}"
-                             for n, v, (scale, unit) in zip(names, values, units))
-
         print(f"process {i + 1}: {line(runs[-1])}", flush=True)
     if runs:
         print(f"median: {line([statistics.median(r[j] for r in runs) for j in range(4)])}")

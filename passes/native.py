@@ -351,11 +351,14 @@ class _Program:
                 pieces[piece_of[users[0]]].append(n)
             else:
                 unused.append(n)
+        pieces = sorted((sorted(p) for p in pieces), key=lambda p: p[0])
         # Inputs no piece reads (a scale constant the fusions copied in) are no layer: a
         # piece of their own would be dealt out to a site like one.
-        pieces = sorted((sorted(p) for p in pieces), key=lambda p: p[0]) or [[]]
-        pieces[0] = sorted(pieces[0] + unused)
-        return pieces if pieces[0] else []
+        if unused and pieces:
+            pieces[0] = sorted(pieces[0] + unused)
+        elif unused:
+            pieces = [unused]
+        return pieces
 
 
 def _fates(pre: Module, matches: Sequence[Match], optimized: Module,

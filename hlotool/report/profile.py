@@ -245,10 +245,11 @@ def _shared_temporaries(f: CapturedFunction, sites: Sequence[AttentionSite],
     from hlotool.cost.xla import host_temporaries
     from hlotool.units import format_bytes
 
+    if len(sites) < 2:
+        return ""
     alone = [host_temporaries(site, trained) for site in sites]
-    memory = f.compiled("cpu").memory_analysis()
-    temp = getattr(memory, "temp_size_in_bytes", None)
-    if len(sites) < 2 or None in alone or temp is None or temp >= sum(alone):
+    temp = getattr(f.compiled("cpu").memory_analysis(), "temp_size_in_bytes", None)
+    if None in alone or temp is None or temp >= sum(alone):
         return ""
     return (f"XLA:CPU allocates {format_bytes(temp)} of temporaries for the whole call, less "
             f"than its {len(sites)} sites' {format_bytes(sum(alone))} alone: they reuse one "
