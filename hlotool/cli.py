@@ -1015,11 +1015,12 @@ Examples:
               "directory, printed). A directory holding files hlotool did not write is "
               "refused unless --force.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Traced calls of each program, after one untraced warm-up call.")
+              help="Traced calls of each program, after one untraced warm-up call; "
+              "the figures are their medians.")
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
-              help="Measure this host's matmul, softmax and memory rates first (a few "
-              "seconds: the naive program and the chunked kernel timed at three shapes) and "
-              "predict with them; --no-calibrate predicts with the cpu row of "
+              help="Measure this host's matmul, softmax and memory rates first (about ten "
+              "seconds: the naive program and the chunked kernel timed at three shapes, "
+              "forward and forward + backward) and predict with them; --no-calibrate predicts with the cpu row of "
               "hlotool/hardware.py, the rates auto decides with.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @_force_option
@@ -1029,13 +1030,15 @@ def profile(script: str, script_args: tuple[str, ...], kernel: str, trace_dir: s
     """Run SCRIPT, then run each function native and as flash_jit rewrites it on this host
     under jax.profiler, and print per-site time from the traces beside the cost model's.
 
-    Each function with a site rewritten for the CPU is compiled both ways, warmed up and run
-    --repeats times per trace, on random inputs of its argument shapes. Per site: the time of
-    its ops in each trace (a rewritten site's ops carry its hlotool/siteN:FILE:LINE scope; a
-    native site's are the fusions XLA put its work in), their ratio, and the cost model's
-    predicted native and kernel times for the host. Per function: wall and op time per call.
-    The traces stay in --trace (TRACE/NNN_jit_NAME/native and …/rewritten) for TensorBoard
-    or XProf; the path is printed. SCRIPT:NAME and `--` script arguments work as for
+    Each function with a site rewritten for the CPU is compiled both ways, warmed up, then
+    called --repeats times each, the two programs in turn (a spell of load slows both), on
+    random inputs of its argument shapes, each call traced. Per site: the time of its ops
+    (a rewritten site's ops carry its hlotool/siteN:FILE:LINE scope; a native site's are the
+    fusions XLA put its work in; ops running side by side share their time), their ratio,
+    and the cost model's predicted native and kernel times for the host. Per function: wall
+    time and the time some op ran. Figures are medians over the calls. The traces stay in
+    --trace (TRACE/NNN_jit_NAME/native and …/rewritten, one run per call) for TensorBoard or
+    XProf; the path is printed. SCRIPT:NAME and `--` script arguments work as for
     `inspect`.
     """
     from hlotool.report.profile import (

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from hlotool.cost import analytic, verdict
-from hlotool.cost.model import fit_host, native_phases
+from hlotool.cost.model import Timed, fit_host, native_phases
 from hlotool.errors import HlotoolError
 from hlotool.hardware import HARDWARE, Hardware, get_hardware
 from hlotool.kernels.base import naive_cost
@@ -175,13 +175,19 @@ def test_a_chip_that_does_not_overlap_pays_compute_plus_memory_per_op():
 
 
 def test_fit_host_recovers_the_rates_that_priced_the_times():
-    """Times priced with known rates at three shapes give those rates back; a 10 % slower
-    native time moves the fit, and the fitted row reproduces the one shape it was given."""
+    """Times priced with known rates at three shapes, forward and forward + backward, give
+    those rates back; a 10 % slower native time moves the fit, and the fitted row
+    reproduces the one shape it was given."""
     known = dataclasses.replace(HARDWARE["cpu"], softmax_rate=0.5e9, hbm_bandwidth=7e9)
     shapes = [site(1024, batch=2, heads=4, dim=16), site(2048, heads=4, dim=32),
               site(1024, heads=4, dim=64)]
     timed = [(s, analytic(s, known, "native").seconds, analytic(s, known, "kernel").seconds)
              for s in shapes]
+    trained = [Timed(s, analytic(s, known, "native", backward=True).seconds,
+                     analytic(s, known, "kernel", backward=True).seconds, backward=True)
+               for s in shapes]
+    both = fit_host("cpu", timed + trained)
+    assert (both.softmax_rate, both.hbm_bandwidth) == pytest.approx((0.5e9, 7e9), rel=1e-6)
     fitted = fit_host("cpu", timed)
     assert fitted.softmax_rate == pytest.approx(0.5e9, rel=1e-6)
     assert fitted.hbm_bandwidth == pytest.approx(7e9, rel=1e-6)

@@ -67,9 +67,10 @@ def test_profile_reports_per_site_time_from_the_trace_and_keeps_it(model, tmp_pa
     assert mlp["note"] == "no attention site" and mlp["traces"] == {}
     (site,) = attend["sites"]
     assert (site["index"], site["kernel"], site["source"]) == (1, "chunked", f"{model}:5")
-    # Both sides' op time for the site comes out of the trace, and is part of the whole.
-    assert 0 < site["native_seconds"] <= attend["native_ops"]
-    assert 0 < site["rewritten_seconds"] <= attend["rewritten_ops"]
+    # Both sides' time for the site comes out of the trace, and is part of the whole: the
+    # time some op ran, itself within the call's wall time.
+    assert 0 < site["native_seconds"] <= attend["native_ops"] <= attend["native_wall"]
+    assert 0 < site["rewritten_seconds"] <= attend["rewritten_ops"] <= attend["rewritten_wall"]
     assert site["measured_ratio"] == pytest.approx(
         site["native_seconds"] / site["rewritten_seconds"])
     assert site["predicted_native_seconds"] > site["predicted_kernel_seconds"] > 0
@@ -78,11 +79,13 @@ def test_profile_reports_per_site_time_from_the_trace_and_keeps_it(model, tmp_pa
     # why in the function's note).
     assert doc["rates"].startswith("Predicted with this host's rates measured in this run: "
                                    "matmul ") or "calibrating this host failed" in attend["note"]
-    # One log directory per side: TensorBoard shows two runs.
+    # One log directory per side, one run in it per call: TensorBoard shows them all.
     for side in ("native", "rewritten"):
         assert attend["traces"][side] == os.path.join(where, "001_jit_attend", side)
-        assert glob.glob(os.path.join(where, "001_jit_attend", side, "plugins", "profile",
-                                      "*", "*.xplane.pb"))
+        runs = glob.glob(os.path.join(where, "001_jit_attend", side, "plugins", "profile",
+                                      "*"))
+        assert sorted(r.rsplit("-", 1)[1] for r in runs) == ["call1", "call2"]
+        assert all(glob.glob(os.path.join(r, "*.xplane.pb")) for r in runs)
     assert result.stderr.strip().splitlines()[-1] == f"traces: {where}"
     with open(os.path.join(where, MANIFEST)) as f:
         assert f.read().split() == ["001_jit_attend"]
@@ -96,7 +99,7 @@ def test_profile_reports_per_site_time_from_the_trace_and_keeps_it(model, tmp_pa
     (row,) = [ln for ln in again.stdout.splitlines() if ln.startswith("attend site1")]
     assert f"{model}:5" in row and "chunked" in row
     assert len(glob.glob(os.path.join(where, "001_jit_attend", "native", "plugins", "profile",
-                                      "*"))) == 2
+                                      "*"))) == 3
 
 
 def test_profile_never_writes_into_a_users_directory(model, tmp_path):
@@ -172,13 +175,18 @@ def test_predicted_and_measured_that_differ_by_more_than_twice_are_named():
         [FunctionProfile("step", 1, 1.0, 0.5, 0.9, 0.4, (close,))], Term())
 
 
-def test_ops_inside_another_op_count_once():
+def test_each_instant_of_a_call_counts_once():
+    """Ops inside another on its thread count in the outer one; ops side by side on two
+    threads share the instants they overlap, so the owners add up to the busy time."""
     events = [ev("while.1", 0.0, 10.0), ev("copy.2", 1.0, 2.0), ev("fusion.3", 10.0, 1.0),
-              ev("fusion.4", 0.5, 1.0, thread="u")]
+              ev("fusion.4", 8.0, 4.0, thread="u")]
     assert [e.op for e in trace.outermost(events)] == ["while.1", "fusion.3", "fusion.4"]
-    assert trace.op_seconds(events, "jit_f", calls=2) == {"while.1": 5.0, "fusion.3": 0.5,
-                                                          "fusion.4": 0.5}
-    assert trace.op_seconds(events, "jit_other") == {}
+    site = {"while.1": 1, "copy.2": 1, "fusion.4": 2}.get
+    # 0-8 while alone, 8-10 while beside fusion.4, 10-11 fusion.3 (the rest) beside it,
+    # 11-12 fusion.4 alone: 12 busy seconds over 2 calls.
+    assert trace.busy_seconds(events, site, "jit_f", calls=2) == pytest.approx(
+        {1: 4.5, 2: 1.25, None: 0.25})
+    assert trace.busy_seconds(events, site, "jit_other") == {}
 
 
 @pytest.mark.slow
@@ -188,14 +196,15 @@ def test_the_xspace_file_says_what_the_chrome_trace_says(model, tmp_path):
                "--no-calibrate"
                ).returncode == 0
     side = where / "001_jit_attend" / "rewritten"
-    from_json = trace.op_seconds(trace.read_events(str(side)), "jit_attend")
+    by_op = lambda op: op  # noqa: E731
+    from_json = trace.busy_seconds(trace.read_events(str(side)), by_op, "jit_attend")
     assert from_json
     (run_dir,) = glob.glob(str(side / "plugins" / "profile" / "*"))
     for path in glob.glob(os.path.join(run_dir, "*.trace.json.gz")):
         os.remove(path)
     if not hasattr(jax.profiler, "ProfileData"):
         pytest.skip(f"jax {jax.__version__} has no jax.profiler.ProfileData")
-    from_xspace = trace.op_seconds(trace.read_events(str(side)), "jit_attend")
+    from_xspace = trace.busy_seconds(trace.read_events(str(side)), by_op, "jit_attend")
     assert from_xspace.keys() == from_json.keys()
 
 
@@ -216,7 +225,7 @@ def test_tracing_refuses_a_process_that_loaded_libtpu(monkeypatch, tmp_path):
     monkeypatch.setattr(trace, "tpu_compiler_loaded", lambda: True)
     with pytest.raises(trace.ProfilerUnsafe, match=r"^jax.profiler crashes in a process that "
                        r"loaded libtpu .*`hlotool profile SCRIPT`$"):
-        trace.traced_run(lambda: None, [], str(tmp_path))
+        trace.traced_call(lambda: None, [], str(tmp_path), call=1)
     assert not os.listdir(tmp_path)  # refused before the profiler started
 
 

@@ -181,13 +181,14 @@ CALIBRATION_SITES = (_calibration_site(2, 1024, 4, 16), _calibration_site(1, 204
                      _calibration_site(1, 1024, 4, 64))
 
 
-def calibrate_host(repeats: int = 3,
+def calibrate_host(repeats: int = 5,
                    sites: Sequence[AttentionSite] = CALIBRATION_SITES) -> Hardware:
     """The `cpu` entry with its rates measured on this host, in this process.
 
+    Every call below is timed `repeats` times, in rounds (one call of each per round).
     Matmul: a [8, 1024, 64] x [8, 64, 512] f32 batched dot (one attention tile per head).
     Fresh pages: a 64 MiB result made afresh each call (paged in, zero-filled, written). Both
-    from the fastest of `repeats` calls: a call slowed by another process would make the
+    from the fastest of their calls: a call slowed by another process would make the
     matmuls alone outlast the programs fitted below.
     Softmax rate and bandwidth: on XLA:CPU the unfused softmax passes are bound by their
     exp/reduce loops and by paging in their freshly mapped L×L buffers, not by DRAM (a pass
@@ -195,37 +196,51 @@ def calibrate_host(repeats: int = 3,
     work of its tiles; so the figures the model needs are those at which it best reproduces
     the two programs the benchmarks time: `hlotool.cost.model.fit_host` fits them to the
     median times of the naive program and the chunked kernel at `sites`
-    (`hlotool.cost.xla`'s probe programs).
+    (`hlotool.cost.xla`'s probe programs), each forward and forward + backward: a train
+    step's sites are priced both ways, and on XLA:CPU the naive backward costs more per
+    pass than its forward while the kernel's costs less, so forward times alone would
+    misprice them (measured at the four causal shapes B·L·H·D = 2·1024·4·16, 1·2048·4·32,
+    1·1024·4·64, 2·2048·4·16: fitted to forwards, native forward + backward came out
+    1.4–2.4× slower than priced, the kernel's 0.67–0.77×; fitted to both, 1.1–2.0× and
+    0.78–0.99×, and the forwards 0.64–1.55×).
     """
     import jax
     import jax.numpy as jnp
 
-    from hlotool.cost.model import fit_host, kernel_for
-    from hlotool.cost.xla import example_arrays, kernel_program, naive_program
+    from hlotool.cost.model import Timed, fit_host, kernel_for
+    from hlotool.cost.xla import example_arrays, kernel_program, naive_program, with_backward
     from hlotool.hardware import get_hardware
 
-    def seconds(f, *args, best: bool = False) -> float:
-        jax.block_until_ready(f(*args))
-        times = []
-        for _ in range(repeats):
+    a, b = jnp.ones((8, 1024, 64), jnp.float32), jnp.ones((8, 512, 64), jnp.float32)
+    dot = (jax.jit(lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b)), a, b)
+    # A fresh 64 MiB result each call: paged in (zero-filled) and written.
+    fresh = (jax.jit(lambda x: jnp.broadcast_to(x, (16 * 2**20,)) + 0.0), jnp.float32(1))
+    programs, timed = [], []
+    for site in sites:
+        for backward in (False, True):
+            timed.append(Timed(site, 0.0, 0.0, backward))
+            for fn, args in (naive_program(site),
+                             kernel_program(site, kernel_for(site, get_hardware("cpu")))):
+                fn = with_backward(fn) if backward else fn
+                programs.append((jax.jit(fn), *example_arrays(args)))
+    calls = [dot, fresh, *programs]
+    for f, *args in calls:
+        jax.block_until_ready(f(*args))  # compiled
+    # Round after round of every call, so that a spell of load on a shared host slows the
+    # matmul as it slows the programs fitted to it.
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for (f, *args), seen in zip(calls, times):
             start = time.perf_counter()
             jax.block_until_ready(f(*args))
-            times.append(time.perf_counter() - start)
-        return min(times) if best else statistics.median(times)
-
-    a, b = jnp.ones((8, 1024, 64), jnp.float32), jnp.ones((8, 512, 64), jnp.float32)
-    dot = jax.jit(lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b))
-    flops = 2 * 8 * 1024 * 512 * 64 / seconds(dot, a, b, best=True)
-    # A fresh 64 MiB result each call: paged in (zero-filled) and written.
-    fresh = jax.jit(lambda x: jnp.broadcast_to(x, (16 * 2**20,)) + 0.0)
-    page_in = 64 * 2**20 / seconds(fresh, jnp.float32(1), best=True)
+            seen.append(time.perf_counter() - start)
+    flops = 2 * 8 * 1024 * 512 * 64 / min(times[0])
+    page_in = 64 * 2**20 / min(times[1])
     host = dataclasses.replace(get_hardware("cpu"),
                                matmul_flops={"float32": flops, "bfloat16": flops},
                                fresh_page_rate=page_in,
                                sources=("calibrate_host() on this host",))
-    timed = []
-    for site in sites:
-        kernel = kernel_for(site, host)
-        timed.append((site, *(seconds(jax.jit(fn), *example_arrays(args)) for fn, args in
-                              (naive_program(site), kernel_program(site, kernel)))))
-    return fit_host(host, timed)
+    medians = [statistics.median(seen) for seen in times[2:]]
+    return fit_host(host, [t._replace(native_seconds=medians[2 * i],
+                                      kernel_seconds=medians[2 * i + 1])
+                           for i, t in enumerate(timed)])

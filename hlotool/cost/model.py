@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -256,12 +256,22 @@ def _fused(site: AttentionSite, hw: Hardware, rate: float, backward: bool) -> Fi
 _FITTED = ("softmax_rate", "hbm_bandwidth")
 
 
-def fit_host(hardware: str | Hardware,
-             timed: Sequence[tuple[AttentionSite, float, float]]) -> Hardware:
+class Timed(NamedTuple):
+    """One site's naive program and kernel timed on a host, forward or, where `backward`,
+    forward and backward (as in a train step)."""
+
+    site: AttentionSite
+    native_seconds: float
+    kernel_seconds: float
+    backward: bool = False
+
+
+def fit_host(hardware: str | Hardware, timed: Sequence[Timed]) -> Hardware:
     """`hardware`, a chip whose ops do not overlap (`Hardware.overlaps` False: the CPU), with
-    the softmax rate and bandwidth at which the model's forward times best reproduce `timed`:
-    per site, the measured seconds of the naive program and of the platform's first kernel
-    that takes it, its matmul rate as given. How this host's row is calibrated
+    the softmax rate and bandwidth at which the model's times best reproduce `timed`: per
+    site, the measured seconds of the naive program and of the platform's first kernel
+    that takes it, its matmul rate as given (a plain (site, native, kernel) triple is a
+    forward). How this host's row is calibrated
     (`hlotool.cost.measure.calibrate_host`). The bandwidth so fitted is an effective one: it
     takes in paging a call's fresh temporaries in, which the unfused program's L×L buffers
     cost on XLA:CPU (`fault_seconds`).
@@ -273,16 +283,17 @@ def fit_host(hardware: str | Hardware,
     hw = get_hardware(hardware)
     if hw.overlaps or not all(getattr(hw, f) for f in _FITTED):
         raise HlotoolError(f"{hw.name} overlaps compute and memory: its times are not linear "
-                           "in its rates")
+                           f"in its rates")
     x0 = np.array([1 / getattr(hw, f) for f in _FITTED])
     rows, targets = [], []
-    for site, native_seconds, kernel_seconds in timed:
+    for site, native_seconds, kernel_seconds, backward in (Timed(*t) for t in timed):
         kernel = kernel_for(site, hw)
 
         def times(x: np.ndarray) -> np.ndarray:
             h = dataclasses.replace(hw, **{f: 1 / v for f, v in zip(_FITTED, x)})
-            return np.array([analytic(site, h, "native").seconds,
-                             analytic(site, h, "kernel", kernel=kernel).seconds])
+            return np.array([analytic(site, h, "native", backward=backward).seconds,
+                             analytic(site, h, "kernel", kernel=kernel,
+                                      backward=backward).seconds])
 
         base = times(x0)
         # Seconds per unit of each reciprocal; what is left is the matmuls'.
@@ -296,7 +307,7 @@ def fit_host(hardware: str | Hardware,
     fitted = x0.copy()
     fitted[used], *_ = np.linalg.lstsq(a[:, used], b - a[:, ~used] @ x0[~used], rcond=None)
     if (fitted <= 0).any():
-        raise HlotoolError(f"no positive rates reproduce the {len(timed)} timed site(s) on "
+        raise HlotoolError(f"no positive rates reproduce the {len(timed)} timed program(s) on "
                            f"{hw.name}: their matmuls alone take longer at "
                            f"{hw.peak_flops('float32') / 1e9:.3g} GFLOP/s")
     return dataclasses.replace(hw, **{f: float(1 / v) for f, v in zip(_FITTED, fitted)})

@@ -1,16 +1,17 @@
-"""Measured per site: a `jax.profiler` trace of a compiled program on this host, its op
-events summed per attention site.
+"""Measured per site: a `jax.profiler` trace of a compiled program on this host, its time
+shared out among the attention sites.
 
-    seconds, events = traced_run(compiled, arrays, log_dir, repeats=3)
-    times = op_seconds(events)                 # top-level HLO op → seconds per call
+    seconds, run = traced_call(compiled, arrays, log_dir, call=1)
     by_site = scope_sites(optimized_hlo_text)  # op → hlotool site index (rewritten programs)
+    times = busy_seconds(read_events(run), by_site.get)  # site index (None: the rest) → s
 
 XLA:CPU's thunk executor records one trace event per HLO instruction it runs, with the
 instruction's name in an `hlo_op` argument. The names are those of the optimized program, so
 each event is attributed through that program's instructions: a rewritten site's ops carry
 its `hlotool/siteN:FILE:LINE` scope in their op_name metadata; a native site's ops are the
 placements `passes.native` found for it. An op run inside another (the body of a while
-loop, a fusion's parts) is counted once, in the outer one.
+loop, a fusion's parts) is counted once, in the outer one; ops that run side by side on
+XLA:CPU's threads share the instants they overlap (`busy_seconds`).
 
 jax writes the trace under `log_dir/plugins/profile/RUN/` as `HOST.trace.json.gz` (Chrome
 trace JSON) and `HOST.xplane.pb` (XSpace). The JSON is read first (plain json); where a jax
@@ -26,9 +27,8 @@ import glob
 import gzip
 import json
 import os
-import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from hlotool.errors import HlotoolError
@@ -54,11 +54,12 @@ class ProfilerUnsafe(HlotoolError):
     """This process cannot start jax's profiler."""
 
 
-def traced_run(compiled: Any, arrays: Sequence[Any], log_dir: str, repeats: int = 3
-               ) -> tuple[float, list[OpEvent]]:
-    """Run `compiled(*arrays)` once untraced (warm-up), then `repeats` times under
-    `jax.profiler.trace(log_dir)`. Returns the median wall seconds per call and the trace's
-    op events.
+def traced_call(compiled: Any, arrays: Sequence[Any], log_dir: str, call: int
+                ) -> tuple[float, str]:
+    """One call of `compiled(*arrays)` under `jax.profiler.trace(log_dir)` (warm it up
+    first). Returns its wall seconds and its run's directory (`read_events` reads it), kept as
+    `log_dir/plugins/profile/STAMP-callN`: the profiler names runs by the second they end,
+    and calls a fraction of a second apart would otherwise share one.
 
     Refuses (`ProfilerUnsafe`) in a process that loaded libtpu: with jax 0.10.2 and libtpu
     0.0.52, starting the profiler there is a segmentation fault (libtpu registers its own
@@ -70,27 +71,34 @@ def traced_run(compiled: Any, arrays: Sequence[Any], log_dir: str, repeats: int 
         raise ProfilerUnsafe(
             "jax.profiler crashes in a process that loaded libtpu (a TPU target was compiled "
             "here): trace in a process of its own, e.g. `hlotool profile SCRIPT`")
-    jax.block_until_ready(compiled(*arrays))
-    times = []
+    before = set(_runs(log_dir))
     with jax.profiler.trace(log_dir):
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*arrays))
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), read_events(log_dir)
-
-
-def _newest_run(log_dir: str) -> str:
-    runs = sorted(glob.glob(os.path.join(log_dir, "plugins", "profile", "*")),
-                  key=os.path.getmtime)
-    if not runs:
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*arrays))
+        seconds = time.perf_counter() - start
+    new = [run for run in _runs(log_dir) if run not in before]
+    if not new:
         raise TraceUnreadable(f"no trace under {log_dir}/plugins/profile (jax wrote none)")
-    return runs[-1]
+    kept = f"{new[-1]}-call{call}"
+    os.replace(new[-1], kept)
+    return seconds, kept
 
 
-def read_events(log_dir: str) -> list[OpEvent]:
-    """The HLO op events of the newest trace run under `log_dir`."""
-    run = _newest_run(log_dir)
+def _runs(log_dir: str) -> list[str]:
+    """The run directories under `log_dir`, oldest first."""
+    return sorted(glob.glob(os.path.join(log_dir, "plugins", "profile", "*")),
+                  key=os.path.getmtime)
+
+
+def read_events(where: str) -> list[OpEvent]:
+    """The HLO op events of one trace run: `where` is the run's directory, or a log
+    directory whose newest run is read."""
+    if glob.glob(os.path.join(where, "*.pb")) or glob.glob(os.path.join(where, "*.json.gz")):
+        run = where
+    elif runs := _runs(where):
+        run = runs[-1]
+    else:
+        raise TraceUnreadable(f"no trace under {where}/plugins/profile (jax wrote none)")
     reasons = []
     for path in sorted(glob.glob(os.path.join(run, "*.trace.json.gz"))):
         try:
@@ -151,13 +159,30 @@ def outermost(events: Iterable[OpEvent]) -> list[OpEvent]:
     return out
 
 
-def op_seconds(events: Iterable[OpEvent], module: str | None = None, calls: int = 1
-               ) -> dict[str, float]:
-    """Seconds per call of each outermost op (of `module` where given)."""
-    chosen = [e for e in events if module is None or e.module == module]
-    totals: dict[str, float] = collections.defaultdict(float)
-    for e in outermost(chosen):
-        totals[e.op] += e.seconds / calls
+def busy_seconds(events: Iterable[OpEvent], owner: Callable[[str], Hashable],
+                 module: str | None = None, calls: int = 1) -> dict[Hashable, float]:
+    """Seconds per call during which each owner's ops ran (of `module` where given), every
+    instant shared equally by the owners running then. `owner` maps an op's name to what it
+    is counted for (a site, or None for the rest of the program).
+
+    So each instant counts once: ops side by side on XLA:CPU's threads (a loop's body
+    runs on other threads than the loop's own event) are not added up, and the owners'
+    seconds sum to the time some op ran, at most the call's wall time."""
+    chosen = outermost(e for e in events if module is None or e.module == module)
+    edges = sorted(((t, step, owner(e.op)) for e in chosen
+                    for t, step in ((e.start, 1), (e.start + e.seconds, -1))),
+                   key=lambda edge: edge[:2])
+    running: collections.Counter = collections.Counter()
+    totals: dict[Hashable, float] = collections.defaultdict(float)
+    last = None
+    for t, step, who in edges:
+        if running and last is not None:
+            for name in running:
+                totals[name] += (t - last) / len(running) / calls
+        running[who] += step
+        if not running[who]:
+            del running[who]
+        last = t
     return dict(totals)
 
 

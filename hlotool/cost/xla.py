@@ -213,12 +213,17 @@ def xla_fuses_natively(site: AttentionSite, target: str | None) -> bool | None:
     return _fuses(dataclasses.replace(site, function="", source=""), target)
 
 
+def with_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A probe program's forward and backward, as a train step runs them: the gradient of
+    its output's sum with respect to q, k and v."""
+    return jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+
+
 @functools.cache
 def _host_temporaries(site: AttentionSite, backward: bool) -> int | None:
     fn, args = naive_program(site)
     if backward:
-        forward = fn
-        fn = jax.grad(lambda *a: forward(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+        fn = with_backward(fn)
     try:
         compiled = compile_for(fn, args, "cpu")
     except HlotoolError:

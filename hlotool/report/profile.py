@@ -6,12 +6,14 @@ site time read from the trace beside the cost model's prediction.
     prof.to_json()
 
 Per function with a site rewritten for the CPU: the native program and flash_jit's, each
-compiled for the host, warmed up, then run `repeats` times inside `jax.profiler.trace`, each
-into its own log directory (TRACE_DIR/NNN_jit_NAME/native and …/rewritten: two runs side by
-side in TensorBoard / XProf). A rewritten site's time is its ops' (they carry the site's
-`hlotool/siteN:FILE:LINE` scope); a native site's is that of the fusions and calls XLA put
-its work in (`passes.native`). Op times are summed over XLA:CPU's threads, so a function's
-op time can exceed its wall time.
+compiled for the host and warmed up, then called `repeats` times each, the two in turn, every
+call traced by `jax.profiler` into its side's log directory (TRACE_DIR/NNN_jit_NAME/native
+and …/rewritten, one run per call: both sides side by side in TensorBoard / XProf). A
+rewritten site's time is that of its ops (they carry the site's `hlotool/siteN:FILE:LINE`
+scope); a native site's, that of the fusions and calls XLA put its work in
+(`passes.native`); where ops run side by side on XLA:CPU's threads they share the time
+(`cost.trace.busy_seconds`), so a function's sites and the rest add up to its busy time,
+never more than its wall time. Every figure is the median over the calls.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 import functools
 import math
 import os
+import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -88,8 +91,9 @@ class SiteProfile:
 
 @dataclasses.dataclass(frozen=True)
 class FunctionProfile:
-    """One function: wall and traced op seconds per call of both programs, its sites, where
-    the traces are, and a note where part of it could not be measured."""
+    """One function: wall seconds and busy seconds (some op running: `busy_seconds`) per
+    call of both programs, medians over the calls, its sites, where the traces are, and a
+    note where part of it could not be measured."""
 
     function: str
     repeats: int
@@ -169,9 +173,12 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
     """Trace `f` native and rewritten on the host; see the module docstring. calibrate:
     predict with this host's rates measured in this process (`host_rates`), not the cpu
     row's."""
+    import jax
+
     from hlotool.api import rewrite_captured
     from hlotool.cost.model import fault_seconds, native_faulted_bytes
-    from hlotool.cost.trace import TraceUnreadable, op_seconds, scope_sites, traced_run
+    from hlotool.cost.trace import TraceUnreadable, busy_seconds, read_events, scope_sites, \
+        traced_call
     from hlotool.hardware import get_hardware
 
     report, rewritten = rewrite_captured(f, kernel)
@@ -184,56 +191,79 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
         return FunctionProfile(f.name, repeats,
                                note=f"flash_jit keeps every site native on the cpu: {reasons}")
     host = host_rates() if calibrate else None
-    walls, ops, notes = {}, {}, []
+    notes = []
     if isinstance(host, str):
         notes.append(host)
         host = None
     arrays = _args(f)
-    traces = {side: os.path.join(trace_dir, f.file_stem, side)
-              for side in ("native", "rewritten")}
-    for side, program in (("native", f), ("rewritten", rewritten)):
+    programs = {"native": f, "rewritten": rewritten}
+    owners = {"native": _native_owners(f, report.sites),
+              "rewritten": scope_sites(rewritten.optimized("cpu"))}
+    traces = {side: os.path.join(trace_dir, f.file_stem, side) for side in programs}
+    compiled = {side: program.compiled("cpu") for side, program in programs.items()}
+    for side in programs:
         os.makedirs(traces[side], exist_ok=True)
-        try:
-            walls[side], events = traced_run(program.compiled("cpu"), arrays, traces[side],
-                                             repeats)
-            ops[side] = op_seconds(events, _module_name(program), calls=repeats)
-        except TraceUnreadable as e:
-            notes.append(f"{side}: {e}")
-            ops[side] = None
-    by_scope = scope_sites(rewritten.optimized("cpu")) if ops.get("rewritten") else {}
-    unused = list(_native_site_ops(f)) if ops.get("native") is not None else []
+        jax.block_until_ready(compiled[side](*arrays))  # compiled, first-call costs paid
+    # The sides alternate, call by call, so a spell of load on this shared host slows both.
+    walls: dict[str, list[float]] = {side: [] for side in programs}
+    busy: dict[str, list[dict] | None] = {side: [] for side in programs}
+    for call in range(1, repeats + 1):
+        for side, program in programs.items():
+            seconds, run = traced_call(compiled[side], arrays, traces[side], call)
+            walls[side].append(seconds)
+            if busy[side] is None:
+                continue
+            try:
+                busy[side].append(busy_seconds(read_events(run), owners[side].get,
+                                               _module_name(program)))
+            except TraceUnreadable as e:
+                notes.append(f"{side}: {e}")
+                busy[side] = None
+
+    def median(side: str, index: int | None = None) -> float | None:
+        if busy[side] is None:
+            return None
+        return statistics.median(sum(b.values()) if index is None else b.get(index, 0.0)
+                                 for b in busy[side])
+
     rewritten_sites = [s for s in report.sites if s.kernels.get("cpu")]
     shared = _shared_temporaries(f, [s.site for s in rewritten_sites],
                                  any(s.trained for s in rewritten_sites))
     sites = []
     for index, s in enumerate(report.sites, 1):
         site, cpu_kernel = s.site, s.kernels.get("cpu")
-        native_s = None
-        # Native fates come in the HLO's order; pair them with the jaxpr's sites by source
-        # line and shape, in order (two layers written by one line are two sites).
-        for i, (fate_site, names) in enumerate(unused):
-            if (fate_site.source, fate_site.q_shape) == (site.source, site.q_shape):
-                native_s = sum(ops["native"].get(n, 0.0) for n in names)
-                del unused[i]
-                break
-        rewritten_s = (sum(t for op, t in ops["rewritten"].items() if by_scope.get(op) == index)
-                       if ops.get("rewritten") is not None else None)
-        if ops.get("rewritten") is not None and not cpu_kernel:
-            rewritten_s = None  # native on the CPU: no scope of its own to sum
         predicted_native, predicted_kernel, flipped = _predicted(s, host)
         if shared and cpu_kernel and s is not rewritten_sites[0]:
             hw = host or get_hardware("cpu")
             predicted_native -= fault_seconds(native_faulted_bytes(site, hw, s.trained), hw)
         if flipped:
             notes.append(f"site{index}: {flipped}")
+        native_s = median("native", index) if index in owners["native"].values() else None
+        # A site native on the CPU has no scope of its own in the rewritten program.
+        rewritten_s = median("rewritten", index) if cpu_kernel else None
         sites.append(SiteProfile(f.name, index, site.source, tuple(site.q_shape), cpu_kernel,
                                  native_s, rewritten_s, predicted_native, predicted_kernel))
     notes.append(shared)
     return FunctionProfile(
-        f.name, repeats, walls.get("native"), walls.get("rewritten"),
-        sum(ops["native"].values()) if ops.get("native") is not None else None,
-        sum(ops["rewritten"].values()) if ops.get("rewritten") is not None else None,
+        f.name, repeats, statistics.median(walls["native"]),
+        statistics.median(walls["rewritten"]), median("native"), median("rewritten"),
         tuple(sites), traces, "; ".join(n for n in notes if n))
+
+
+def _native_owners(f: CapturedFunction, sites: Sequence[Any]) -> dict[str, int]:
+    """Op of `f`'s optimized program → the index of the report site whose work XLA put in
+    it (`passes.native`). Native fates come in the HLO's order: they are paired with the
+    jaxpr's sites by source line and shape, in order (two layers written by one line are
+    two sites)."""
+    unpaired = list(_native_site_ops(f))
+    owners = {}
+    for index, s in enumerate(sites, 1):
+        for i, (fate_site, names) in enumerate(unpaired):
+            if (fate_site.source, fate_site.q_shape) == (s.site.source, s.site.q_shape):
+                owners.update(dict.fromkeys(names, index))
+                del unpaired[i]
+                break
+    return owners
 
 
 def _shared_temporaries(f: CapturedFunction, sites: Sequence[AttentionSite],
