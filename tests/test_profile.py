@@ -256,6 +256,33 @@ def test_a_function_kept_native_on_the_cpu_gives_the_cpu_s_verdict(tmp_path):
     assert "tpu" not in note and "cuda" not in note, note
 
 
+def test_a_trace_that_cannot_be_read_leaves_wall_times_and_one_note(monkeypatch, tmp_path):
+    """Every call's wall time is kept where jax's trace files cannot be read back; the site
+    times are then unknown (not 0), and the reason is said once, not once per call."""
+    from hlotool.report.profile import profile_function
+
+    def attend(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    walls = iter([0.04, 0.01, 0.05, 0.02, 0.03, 0.01])  # native, rewritten, in turn
+
+    def unreadable(where):
+        raise trace.TraceUnreadable(f"cannot read the trace in {where}: no reader")
+
+    monkeypatch.setattr(trace, "traced_call", lambda *a: (next(walls), "RUN"))
+    monkeypatch.setattr(trace, "read_events", unreadable)
+    x = jnp.ones((1, 1024, 2, 64), jnp.float32)
+    (captured,) = capture_function(jax.jit(attend), x, x, x)
+    prof = profile_function(captured, str(tmp_path), repeats=3)
+    assert (prof.native_wall, prof.rewritten_wall) == (0.04, 0.01)  # the medians
+    assert prof.native_ops is None and prof.rewritten_ops is None
+    (site,) = prof.sites
+    assert (site.native_seconds, site.rewritten_seconds, site.kernel) == (None, None, "chunked")
+    assert prof.note.count("cannot read the trace") == 2, prof.note
+    assert "native: cannot read the trace in RUN: no reader" in prof.note
+
+
 def test_sites_that_share_the_calls_temporaries_are_said_to():
     """Two layers of one forward call at L = 1024: XLA:CPU allocates one temporary buffer
     for both, less than each allocates alone together, and the profile says why a later

@@ -199,6 +199,7 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
     programs = {"native": f, "rewritten": rewritten}
     owners = {"native": _native_owners(f, report.sites),
               "rewritten": scope_sites(rewritten.optimized("cpu"))}
+    modules = {side: _module_name(program) for side, program in programs.items()}
     traces = {side: os.path.join(trace_dir, f.file_stem, side) for side in programs}
     compiled = {side: program.compiled("cpu") for side, program in programs.items()}
     for side in programs:
@@ -208,20 +209,20 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
     walls: dict[str, list[float]] = {side: [] for side in programs}
     busy: dict[str, list[dict] | None] = {side: [] for side in programs}
     for call in range(1, repeats + 1):
-        for side, program in programs.items():
-            seconds, run = traced_call(compiled[side], arrays, traces[side], call)
-            walls[side].append(seconds)
-            if busy[side] is None:
-                continue
+        for side in programs:
             try:
-                busy[side].append(busy_seconds(read_events(run), owners[side].get,
-                                               _module_name(program)))
+                seconds, run = traced_call(compiled[side], arrays, traces[side], call)
+                walls[side].append(seconds)
+                if busy[side] is not None:
+                    busy[side].append(busy_seconds(read_events(run), owners[side].get,
+                                                   modules[side]))
             except TraceUnreadable as e:
-                notes.append(f"{side}: {e}")
+                if busy[side] is not None:
+                    notes.append(f"{side}: {e}")
                 busy[side] = None
 
     def median(side: str, index: int | None = None) -> float | None:
-        if busy[side] is None:
+        if not busy[side]:
             return None
         return statistics.median(sum(b.values()) if index is None else b.get(index, 0.0)
                                  for b in busy[side])
@@ -244,9 +245,10 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
         sites.append(SiteProfile(f.name, index, site.source, tuple(site.q_shape), cpu_kernel,
                                  native_s, rewritten_s, predicted_native, predicted_kernel))
     notes.append(shared)
+    wall = {side: statistics.median(seen) if seen else None for side, seen in walls.items()}
     return FunctionProfile(
-        f.name, repeats, statistics.median(walls["native"]),
-        statistics.median(walls["rewritten"]), median("native"), median("rewritten"),
+        f.name, repeats, wall["native"], wall["rewritten"], median("native"),
+        median("rewritten"),
         tuple(sites), traces, "; ".join(n for n in notes if n))
 
 
