@@ -1034,7 +1034,8 @@ def profile(script: str, script_args: tuple[str, ...], kernel: str, trace_dir: s
     called --repeats times each, the two programs in turn (a spell of load slows both), on
     random inputs of its argument shapes, each call traced. Per site: the time of its ops
     (a rewritten site's ops carry its hlotool/siteN:FILE:LINE scope; a native site's are the
-    fusions XLA put its work in; ops running side by side share their time), their ratio,
+    fusions XLA put its work in, in a train step its derivative's too; ops running side by
+    side share their time), their ratio,
     and the cost model's predicted native and kernel times for the host. Per function: wall
     time and the time some op ran. Figures are medians over the calls. The traces stay in
     --trace (TRACE/NNN_jit_NAME/native and …/rewritten, one run per call) for TensorBoard or

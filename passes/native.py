@@ -19,6 +19,11 @@ values (a backward pass reading the forward's probabilities) goes with it, the o
 dealt out to the sites in program order. That is a heuristic; a site whose work XLA merged
 with its neighbour's (one fusion holding the end of one layer and the start of the next)
 shows that fusion under one of them only.
+
+With `backward`, a site in a program that takes its own gradient also gets the work of its
+derivative: jax's AD names each transposed equation in the forward's scope under
+`transpose(...)`, at the forward's Python stack (`_transposed`). `hlotool profile` times a
+train step's sites so; `inspect` shows where the forward's scores go.
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ _Key = tuple[str, tuple[tuple[str, int], ...]]  # (op_name, ((file, line), ...))
 # the call, the optimized program's in full ("jit(step)/jvp(jit(forward))/exp" → "exp").
 # A backward op keeps its "transpose(...)" scope and so never passes for the forward one.
 _WRAPPERS = re.compile(r"^(?:(?:jit|pjit|jvp)\([^/]*\)(?:/|$))+")
+# The scope jax's AD names a transposed (backward) equation under, before the forward's own
+# scopes: "transpose(jvp(Model))/" or "transpose(jvp())/".
+_TRANSPOSE = re.compile(r"^transpose\((?:(?:jit|pjit|jvp)\((?:[^/()]|\([^/()]*\))*\))*\)/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +156,12 @@ class NativeFate:
         }
 
 
-def native_fate(function: CapturedFunction, target: str | Target = "cpu") -> list[NativeFate]:
+def native_fate(function: CapturedFunction, target: str | Target = "cpu",
+                backward: bool = False) -> list[NativeFate]:
     """The native fate of every attention site of `function` on `target`, in the order
-    detection reports the sites. Compiles `function` for `target` only when it has a site."""
+    detection reports the sites. Compiles `function` for `target` only when it has a site.
+    backward: also place the work of each site's derivative where the program takes one (a
+    train step): what the site costs a call, rather than where its scores go."""
     from hlotool.targets import get_target
 
     name = get_target(target).name
@@ -158,7 +169,8 @@ def native_fate(function: CapturedFunction, target: str | Target = "cpu") -> lis
     matches = find_matches(pre, function.name)
     if not matches:
         return []
-    return _fates(pre, matches, as_module(function.optimized(name), inline=False), name)
+    return _fates(pre, matches, as_module(function.optimized(name), inline=False), name,
+                  backward)
 
 
 def native_fates(functions: Sequence[CapturedFunction], sites: Sequence[AttentionSite],
@@ -362,12 +374,14 @@ class _Program:
 
 
 def _fates(pre: Module, matches: Sequence[Match], optimized: Module,
-           target: str) -> list[NativeFate]:
+           target: str, backward: bool = False) -> list[NativeFate]:
     by_name = {i.name: i for i in pre.instructions()}
     site_keys = [{k for n in m.body if n.ref in by_name
                   for k in [_key(by_name[n.ref])] if k is not None} for m in matches]
     program = _Program(optimized)
     program.keys = _translate(program.keys, pre)
+    if backward:
+        site_keys = [keys | _transposed(keys, program.keys) for keys in site_keys]
     unknown = {n for n, keys in enumerate(program.keys) if not keys}
     anchors = _anchors(program, site_keys, [m.site for m in matches], unknown)
     regions = [program.grow(a, unknown, m.site) if a else set()
@@ -380,6 +394,22 @@ def _fates(pre: Module, matches: Sequence[Match], optimized: Module,
                    program.partitions)
         for m, region in zip(matches, regions)
     ]
+
+
+def _transposed(site_keys: set[_Key], program_keys: Sequence[set[_Key]]) -> set[_Key]:
+    """The keys of the program's derivative of a site's equations: jax's AD gives each
+    transposed equation the Python stack of the one it transposes and names it in the same
+    scope under `transpose(...)` ("transpose(jvp(Model))/Block_0/attn/reduce_sum" for
+    "Block_0/attn/exp" at one stack); its primitive is another, so the scope and stack are
+    what match."""
+    scopes = {(op_name.rpartition("/")[0], frames) for op_name, frames in site_keys}
+    found = set()
+    for keys in program_keys:
+        for op_name, frames in keys:
+            m = _TRANSPOSE.match(op_name)
+            if m and (op_name[m.end():].rpartition("/")[0], frames) in scopes:
+                found.add((op_name, frames))
+    return found
 
 
 def _translate(keys: Sequence[set[_Key]], pre: Module) -> list[set[_Key]]:

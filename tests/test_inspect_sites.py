@@ -191,6 +191,35 @@ def test_layers_from_one_line_get_separate_regions(grad):
         assert scores == owned
 
 
+def test_a_train_steps_sites_take_their_derivative_where_asked():
+    """backward=True places the work jax's AD wrote for a site (its ops named under
+    `transpose(...)` in the site's scope, at its stack) with the site, the derivative of a
+    projection beside it stays out; without it the fate is the forward's, as inspect shows."""
+    w = jnp.ones((16, 16), jnp.float32)
+
+    def loss(x, w):
+        with jax.named_scope("attn"):
+            out = causal_blhd(x, x, x)
+        return jnp.tanh(out @ w).sum()  # the projection: its derivative is not the site's
+
+    x = jnp.ones((2, 64, 4, 16), jnp.float32)
+    [f] = capture_function(jax.jit(jax.grad(loss, argnums=(0, 1))), x, w)
+    [forward] = native_fate(f, "cpu")
+    [trained] = native_fate(f, "cpu", backward=True)
+    entry = parse_module(f.optimized("cpu"))
+    names = {i.name: i.metadata.get("op_name", "") for i in entry.instructions()}
+    placed = {p.name for p in trained.placements}
+    added = placed - {p.name for p in forward.placements}
+    # Both directions of the dots and the softmax's derivative: "jit(loss)/transpose(jvp(attn))
+    # /bqhd,bkhd->bhqk/dot_general", ".../reduce_sum", ... (and, before jaxlib 0.10, a
+    # reduce-window without metadata between them).
+    assert len(added) >= 4 and all("/transpose(jvp(attn))/" in names[n]
+                                   for n in added if names[n]), added
+    assert {names[n].rpartition("/")[2] for n in added} >= {"dot_general", "reduce_sum"}
+    assert not any("/transpose(jvp())/" in names[n] for n in placed)  # the projection's
+    assert trained.score_buffers > forward.score_buffers  # dP and dS are [B, H, L, L] too
+
+
 @pytest.mark.slow
 def test_layers_sharing_a_constant_still_get_one_region_each():
     # At L=512 XLA:CPU's CSE gives both causal layers one constant broadcast (the softmax's

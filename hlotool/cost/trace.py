@@ -165,9 +165,9 @@ def busy_seconds(events: Iterable[OpEvent], owner: Callable[[str], Hashable],
     instant shared equally by the owners running then. `owner` maps an op's name to what it
     is counted for (a site, or None for the rest of the program).
 
-    So each instant counts once: ops side by side on XLA:CPU's threads (a loop's body
-    runs on other threads than the loop's own event) are not added up, and the owners'
-    seconds sum to the time some op ran, at most the call's wall time."""
+    So each instant counts once: ops side by side on XLA:CPU's threads (part of a loop's
+    body may run on another thread than the loop's own event) are not added up, and the
+    owners' seconds sum to the time some op ran, at most the call's wall time."""
     chosen = outermost(e for e in events if module is None or e.module == module)
     edges = sorted(((t, step, owner(e.op)) for e in chosen
                     for t, step in ((e.start, 1), (e.start + e.seconds, -1))),

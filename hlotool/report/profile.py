@@ -10,8 +10,8 @@ compiled for the host and warmed up, then called `repeats` times each, the two i
 call traced by `jax.profiler` into its side's log directory (TRACE_DIR/NNN_jit_NAME/native
 and …/rewritten, one run per call: both sides side by side in TensorBoard / XProf). A
 rewritten site's time is that of its ops (they carry the site's `hlotool/siteN:FILE:LINE`
-scope); a native site's, that of the fusions and calls XLA put its work in
-(`passes.native`); where ops run side by side on XLA:CPU's threads they share the time
+scope); a native site's, that of the fusions and calls XLA put its work in, its
+derivative's too in a train step (`passes.native`, backward=True); where ops run side by side on XLA:CPU's threads they share the time
 (`cost.trace.busy_seconds`), so a function's sites and the rest add up to its busy time,
 never more than its wall time. Every figure is the median over the calls.
 """
@@ -128,7 +128,8 @@ def _module_name(f: CapturedFunction) -> str:
 def _native_site_ops(f: CapturedFunction) -> list[tuple[Any, set[str]]]:
     from hlotool.passes.native import native_fate
 
-    return [(fate.site, {p.name for p in fate.placements}) for fate in native_fate(f, "cpu")]
+    return [(fate.site, {p.name for p in fate.placements})
+            for fate in native_fate(f, "cpu", backward=True)]
 
 
 def _predicted(s: Any, host: Hardware | None) -> tuple[float, float, str]:
