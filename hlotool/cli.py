@@ -1020,8 +1020,8 @@ Examples:
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="Measure this host's matmul, softmax and memory rates first (about ten "
               "seconds: the naive program and the chunked kernel timed at three shapes, "
-              "forward and forward + backward) and predict with them; --no-calibrate predicts with the cpu row of "
-              "hlotool/hardware.py, the rates auto decides with.")
+              "forward and forward + backward) and predict with them; --no-calibrate "
+              "predicts with the cpu row of hlotool/hardware.py, the rates auto decides with.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @_force_option
 @_fail_cleanly

@@ -10,10 +10,11 @@ compiled for the host and warmed up, then called `repeats` times each, the two i
 call traced by `jax.profiler` into its side's log directory (TRACE_DIR/NNN_jit_NAME/native
 and …/rewritten, one run per call: both sides side by side in TensorBoard / XProf). A
 rewritten site's time is that of its ops (they carry the site's `hlotool/siteN:FILE:LINE`
-scope); a native site's, that of the fusions and calls XLA put its work in, its
-derivative's too in a train step (`passes.native`, backward=True); where ops run side by side on XLA:CPU's threads they share the time
-(`cost.trace.busy_seconds`), so a function's sites and the rest add up to its busy time,
-never more than its wall time. Every figure is the median over the calls.
+scope); a native site's, that of the fusions and calls XLA put its work in, in a train step
+its derivative's too (`passes.native`, backward=True). Where ops run side by side on
+XLA:CPU's threads they share the time (`cost.trace.busy_seconds`), so a function's sites and
+the rest add up to its busy time, never more than its wall time. Every figure is the median
+over the calls.
 """
 
 from __future__ import annotations
@@ -123,13 +124,6 @@ def _module_name(f: CapturedFunction) -> str:
     from hlotool.hlo import parse_module
 
     return parse_module(f.optimized("cpu")).name
-
-
-def _native_site_ops(f: CapturedFunction) -> list[tuple[Any, set[str]]]:
-    from hlotool.passes.native import native_fate
-
-    return [(fate.site, {p.name for p in fate.placements})
-            for fate in native_fate(f, "cpu", backward=True)]
 
 
 def _predicted(s: Any, host: Hardware | None) -> tuple[float, float, str]:
@@ -258,12 +252,14 @@ def _native_owners(f: CapturedFunction, sites: Sequence[Any]) -> dict[str, int]:
     it (`passes.native`). Native fates come in the HLO's order: they are paired with the
     jaxpr's sites by source line and shape, in order (two layers written by one line are
     two sites)."""
-    unpaired = list(_native_site_ops(f))
+    from hlotool.passes.native import native_fate
+
+    unpaired = native_fate(f, "cpu", backward=True)
     owners = {}
     for index, s in enumerate(sites, 1):
-        for i, (fate_site, names) in enumerate(unpaired):
-            if (fate_site.source, fate_site.q_shape) == (s.site.source, s.site.q_shape):
-                owners.update(dict.fromkeys(names, index))
+        for i, fate in enumerate(unpaired):
+            if (fate.site.source, fate.site.q_shape) == (s.site.source, s.site.q_shape):
+                owners.update(dict.fromkeys((p.name for p in fate.placements), index))
                 del unpaired[i]
                 break
     return owners
