@@ -162,7 +162,8 @@ HARDWARE: dict[str, Hardware] = {
             1 * _MIB, "L2 per core", 1, "cpu",
             ("measured: benchmarks/cost_vs_measured.py --calibrate (median of 5 processes, "
              "jax 0.10.2; fitted to forward programs only, before calibrate_host took "
-             "backward ones too)", "link: half an earlier fitted bandwidth (a copy); latency measured "
+             "backward ones too)",
+             "link: half an earlier fitted bandwidth (a copy); latency measured "
              "(module docstring)"), softmax_rate=0.69e9, fresh_page_rate=3.64e9,
             overlaps=False, link_bandwidth=0.885e9, link_latency=2e-4,
         ),
