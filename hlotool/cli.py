@@ -1035,12 +1035,11 @@ def profile(script: str, script_args: tuple[str, ...], kernel: str, trace_dir: s
     random inputs of its argument shapes, each call traced. Per site: the time of its ops
     (a rewritten site's ops carry its hlotool/siteN:FILE:LINE scope; a native site's are the
     fusions XLA put its work in, in a train step its derivative's too; ops running side by
-    side share their time), their ratio,
-    and the cost model's predicted native and kernel times for the host. Per function: wall
-    time and the time some op ran. Figures are medians over the calls. The traces stay in
-    --trace (TRACE/NNN_jit_NAME/native and …/rewritten, one run per call) for TensorBoard or
-    XProf; the path is printed. SCRIPT:NAME and `--` script arguments work as for
-    `inspect`.
+    side share their time), their ratio, and the cost model's predicted native and kernel
+    times for the host. Per function: wall time and the time some op ran. Figures are
+    medians over the calls. The traces stay in --trace (TRACE/NNN_jit_NAME/native and
+    …/rewritten, one run per call) for TensorBoard or XProf; the path is printed.
+    SCRIPT:NAME and `--` script arguments work as for `inspect`.
     """
     from hlotool.report.profile import (
         check_trace_dir, host_rates, list_in_manifest, profile_function, rates_line,

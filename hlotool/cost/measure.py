@@ -215,14 +215,13 @@ def calibrate_host(repeats: int = 5,
     dot = (jax.jit(lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b)), a, b)
     # A fresh 64 MiB result each call: paged in (zero-filled) and written.
     fresh = (jax.jit(lambda x: jnp.broadcast_to(x, (16 * 2**20,)) + 0.0), jnp.float32(1))
-    programs, timed = [], []
-    for site in sites:
-        for backward in (False, True):
-            timed.append(Timed(site, 0.0, 0.0, backward))
-            for fn, args in (naive_program(site),
-                             kernel_program(site, kernel_for(site, get_hardware("cpu")))):
-                fn = with_backward(fn) if backward else fn
-                programs.append((jax.jit(fn), *example_arrays(args)))
+    runs = [(site, backward) for site in sites for backward in (False, True)]
+    programs = []  # per run, its naive program then its kernel
+    for site, backward in runs:
+        for fn, args in (naive_program(site),
+                         kernel_program(site, kernel_for(site, get_hardware("cpu")))):
+            fn = with_backward(fn) if backward else fn
+            programs.append((jax.jit(fn), *example_arrays(args)))
     calls = [dot, fresh, *programs]
     for f, *args in calls:
         jax.block_until_ready(f(*args))  # compiled
@@ -241,6 +240,5 @@ def calibrate_host(repeats: int = 5,
                                fresh_page_rate=page_in,
                                sources=("calibrate_host() on this host",))
     medians = [statistics.median(seen) for seen in times[2:]]
-    return fit_host(host, [t._replace(native_seconds=medians[2 * i],
-                                      kernel_seconds=medians[2 * i + 1])
-                           for i, t in enumerate(timed)])
+    return fit_host(host, [Timed(site, medians[2 * i], medians[2 * i + 1], backward)
+                           for i, (site, backward) in enumerate(runs)])

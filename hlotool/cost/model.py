@@ -283,7 +283,7 @@ def fit_host(hardware: str | Hardware, timed: Sequence[Timed]) -> Hardware:
     hw = get_hardware(hardware)
     if hw.overlaps or not all(getattr(hw, f) for f in _FITTED):
         raise HlotoolError(f"{hw.name} overlaps compute and memory: its times are not linear "
-                           f"in its rates")
+                           "in its rates")
     x0 = np.array([1 / getattr(hw, f) for f in _FITTED])
     rows, targets = [], []
     for site, native_seconds, kernel_seconds, backward in (Timed(*t) for t in timed):

@@ -120,12 +120,6 @@ def _args(f: CapturedFunction) -> list[Any]:
     return example_arrays(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in f.in_avals))
 
 
-def _module_name(f: CapturedFunction) -> str:
-    from hlotool.hlo import parse_module
-
-    return parse_module(f.optimized("cpu")).name
-
-
 def _predicted(s: Any, host: Hardware | None) -> tuple[float, float, str]:
     """Native and kernel seconds for site report `s` on this host (forward and backward in a
     train step): the prices the CPU's decision rests on, or with `host`'s rates; and, where
@@ -175,6 +169,7 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
     from hlotool.cost.trace import TraceUnreadable, busy_seconds, read_events, scope_sites, \
         traced_call
     from hlotool.hardware import get_hardware
+    from hlotool.hlo import parse_module
 
     report, rewritten = rewrite_captured(f, kernel)
     if not report.sites:
@@ -192,9 +187,9 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
         host = None
     arrays = _args(f)
     programs = {"native": f, "rewritten": rewritten}
+    modules = {side: parse_module(program.optimized("cpu")) for side, program in programs.items()}
     owners = {"native": _native_owners(f, report.sites),
-              "rewritten": scope_sites(rewritten.optimized("cpu"))}
-    modules = {side: _module_name(program) for side, program in programs.items()}
+              "rewritten": scope_sites(modules["rewritten"])}
     traces = {side: os.path.join(trace_dir, f.file_stem, side) for side in programs}
     compiled = {side: program.compiled("cpu") for side, program in programs.items()}
     for side in programs:
@@ -210,7 +205,7 @@ def profile_function(f: CapturedFunction, trace_dir: str, kernel: str = "auto",
                 walls[side].append(seconds)
                 if busy[side] is not None:
                     busy[side].append(busy_seconds(read_events(run), owners[side].get,
-                                                   modules[side]))
+                                                   modules[side].name))
             except TraceUnreadable as e:
                 if busy[side] is not None:
                     notes.append(f"{side}: {e}")
